@@ -1,0 +1,1 @@
+"""Flyte-free GRPO: config, advantages, loss, KL, rewards, generation and training back-ends."""

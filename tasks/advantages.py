@@ -1,0 +1,48 @@
+"""`advantages`: group baselines and std normalization from the step's rewards; writes ``advantages``."""
+
+from __future__ import annotations
+
+import time
+
+from flytekit import task
+
+from dataplane.meta import KVBatchMeta
+from rl.config import GRPOConfig
+from tasks.types import RunInfo
+
+
+@task(retries=2)
+def advantages(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
+    """Compute per-sample advantages and write them per token (the sample's A on every token)."""
+    import torch
+
+    from dataplane import fields as F
+    from dataplane.codec import nested_from_values
+    from rl.advantages import compute_advantages
+    from tasks import runtime
+
+    started = time.time()
+    dp = runtime.dataplane(cfg, run)
+    cols = dp.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS])
+    adv, baseline, std = compute_advantages(
+        cols[F.REWARDS],
+        cols[F.SAMPLE_MASK],
+        group_size=cfg.grpo.num_generations_per_prompt,
+        leave_one_out=cfg.grpo.use_leave_one_out_baseline,
+        normalize_rewards=cfg.grpo.normalize_rewards,
+    )  # [N] each
+    lengths = cols[F.INPUT_LENGTHS]  # [N]
+    per_token = nested_from_values(torch.repeat_interleave(adv, lengths), lengths)  # [N, L_i]
+    out = dp.write_columns(meta, {F.ADVANTAGES: per_token}, task_name="advantages")
+    grouped = cols[F.REWARDS].view(-1, cfg.grpo.num_generations_per_prompt)  # [B, G]
+    spread = grouped.max(1).values - grouped.min(1).values  # [B]
+    info = {
+        "advantages/mean": float(adv.mean()),
+        "advantages/max": float(adv.max()),
+        "advantages/min": float(adv.min()),
+        "baseline_reward/pct_0": float((grouped.max(1).values == 0).float().mean()),
+        "baseline_reward/pct_1": float((grouped.min(1).values == 1).float().mean()),
+        "baseline_reward/pct_mixed": float((spread > 0).float().mean()),
+        "timing/train/advantage_calculation": time.time() - started,
+    }
+    return out.stamp_tags({"baseline": baseline.tolist(), "std": std.tolist()}).with_extra_info(**info)

@@ -1,0 +1,66 @@
+"""MLflow: one run per execution, params from the resolved config, each step's metrics in one batched call."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _ensure_local_store(uri: str) -> None:
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+
+
+def client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    _ensure_local_store(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def start_run(*, uri: str, experiment_name: str, run_name: str | None, params: dict[str, str], tags: dict[str, str]) -> str:
+    """Create the run (and the experiment if needed); return its id."""
+    c = client(uri)
+    exp = c.get_experiment_by_name(experiment_name)
+    if exp is None:
+        artifact_location = None
+        if uri.startswith("sqlite:///"):
+            artifact_location = (Path(uri.removeprefix("sqlite:///")).parent.resolve() / "mlartifacts").as_uri()
+        exp_id = c.create_experiment(experiment_name, artifact_location=artifact_location)
+    else:
+        exp_id = exp.experiment_id
+    run = c.create_run(exp_id, run_name=run_name, tags=tags)
+    from mlflow.entities import Param
+
+    items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
+    for i in range(0, len(items), 100):
+        c.log_batch(run.info.run_id, params=items[i : i + 100])
+    return run.info.run_id
+
+
+def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """All of a step's metrics in one ``log_batch`` call."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
+    c = client(uri)
+    for i in range(0, len(items), 1000):
+        c.log_batch(run_id, metrics=items[i : i + 1000])
+
+
+def set_terminated(uri: str, run_id: str, status: str = "FINISHED") -> None:
+    client(uri).set_terminated(run_id, status=status)
+
+
+def git_commit() -> str:
+    head = Path(__file__).resolve().parents[1] / ".git"
+    try:
+        ref = (head / "HEAD").read_text().strip()
+        if ref.startswith("ref: "):
+            return (head / ref.removeprefix("ref: ")).read_text().strip()
+        return ref
+    except OSError:
+        return os.environ.get("GIT_COMMIT", "unknown")

@@ -1,0 +1,57 @@
+"""`train`: one optimizer update on the step's batch, save the next weights (and a checkpoint when due),
+log the step's metrics, clear the step's partition."""
+
+from __future__ import annotations
+
+import time
+
+from flytekit import task
+
+from dataplane.meta import KVBatchMeta
+from rl.config import GRPOConfig
+from tasks.types import PolicyVersion, RunInfo
+
+
+@task(retries=2)
+def train(
+    cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, batch: KVBatchMeta, prev: KVBatchMeta, ref: KVBatchMeta
+) -> PolicyVersion:
+    """Train on ``DP_TRAIN_FIELDS`` of the step (``batch`` carries advantages; ``prev``/``ref`` carry the
+    logprob deltas and timings) and return the policy after this step."""
+    from dataplane import fields as F
+    from dataplane import paths
+    from rl.train import train_on_batch
+    from tasks import runtime, saving, tracking
+
+    started = time.time()
+    runtime.set_threads()
+    step = policy.step + 1
+    meta = batch.join(prev, ref)
+    dp = runtime.dataplane(cfg, run)
+    tok = runtime.tokenizer(run.model_path)
+    data = dp.read(meta, F.DP_TRAIN_FIELDS, pad_value_dict={F.INPUT_IDS: tok.pad_token_id})
+    state = runtime.take_trainer(cfg, run, policy)
+    metrics = train_on_batch(state.model, state.optimizer, state.scheduler, data, cfg)
+    state.step = step
+    trained = time.time()
+    new_policy = saving.save_policy(cfg, run, state, tok)
+    done = time.time()
+    dp.clear(paths.step_partition(step))
+
+    info = meta.extra_info
+    out = {f"train/{k}": v for k, v in metrics.items()}
+    out.update({f"train/{k.removeprefix('rollout/')}": v for k, v in info.items() if k.startswith("rollout/")})
+    out.update({f"train/{k}": v for k, v in info.items() if k.startswith(("advantages/", "baseline_reward/"))})
+    out.update({k: v for k, v in info.items() if k.startswith("timing/")})
+    out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get("timing/train/ref_lp", 0.0)
+    out["timing/train/policy_training"] = trained - started
+    out["timing/train/checkpointing"] = done - trained
+    out["timing/train/total_step_time"] = time.time() - info["step_started_unix"]
+    tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, step)
+    print(
+        f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | reward {out['train/reward']:.3f} | loss {out['train/loss']:+.4f}"
+        f" | kl {out['train/kl_penalty']:.5f} | gen {out['train/generated_tokens_per_s']:.0f} tok/s"
+        f" | step {out['timing/train/total_step_time']:.1f} s",
+        flush=True,
+    )
+    return new_policy

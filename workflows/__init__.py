@@ -1,0 +1,1 @@
+"""Flyte workflows: control flow only."""
