@@ -8,6 +8,7 @@ values + int64 offsets, zero-copy both ways where the dtype allows. Mirrors NeMo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import warnings
 from typing import Any, Literal
 
 import numpy as np
@@ -59,13 +60,21 @@ def _values_to_arrow(values: torch.Tensor) -> pa.Array:
     return pa.array(values.numpy(), type=_TORCH_TO_ARROW[values.dtype])
 
 
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """Zero-copy tensor over a (possibly read-only, Arrow-owned) numpy array. Readers never write into
+    read columns in place (padding builds new tensors), so torch's read-only warning is moot here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
 def _values_from_arrow(arr: pa.Array, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.from_numpy(arr.to_numpy(zero_copy_only=False).astype(np.bool_, copy=False))
-    np_values = arr.to_numpy(zero_copy_only=arr.null_count == 0 and arr.type != pa.bool_())
+    np_values = arr.to_numpy(zero_copy_only=arr.null_count == 0)
     if dtype == torch.bfloat16:
-        return torch.from_numpy(np_values.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np_values)
+        return _tensor(np_values.view(np.int16)).view(torch.bfloat16)
+    return _tensor(np_values)
 
 
 def to_nested_by_length(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -124,7 +133,7 @@ def nested_from_arrow(arr: pa.Array | pa.ChunkedArray, dtype: torch.dtype) -> to
         arr = arr.combine_chunks()
     if not pa.types.is_large_list(arr.type):
         arr = arr.cast(pa.large_list(arr.type.value_type))
-    offsets = torch.from_numpy(arr.offsets.to_numpy())
+    offsets = _tensor(arr.offsets.to_numpy())
     values = _values_from_arrow(arr.values, dtype)[int(offsets[0]) : int(offsets[-1])]
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets - offsets[0])
 

@@ -235,6 +235,11 @@ class GRPOConfig:
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
 
     @property
+    def on_policy(self) -> bool:
+        """True when each step makes exactly one optimizer update, so pi_old is the policy being trained."""
+        return self.global_batch_size == self.samples_per_step
+
+    @property
     def global_batch_size(self) -> int:
         return self.optim.train_global_batch_size or self.samples_per_step
 

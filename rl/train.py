@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from rl.config import GRPOConfig
-from rl.logprobs import forward_logprobs
+from rl.logprobs import first_response_token, forward_logprobs
 from rl.loss import LossInputs, clipped_pg_loss, loss_mask
 
 
@@ -38,13 +38,17 @@ def train_on_batch(
     Args:
         batch: padded tensors (N rows, width S): ``input_ids`` [N, S] int64, ``input_lengths`` [N] int64,
             ``generation_logprobs``, ``prev_logprobs``, ``reference_policy_logprobs``, ``advantages`` [N, S]
-            float32, ``token_mask`` [N, S] bool, ``sample_mask`` [N] bool.
+            float32, ``token_mask`` [N, S] bool, ``sample_mask`` [N] bool. Without ``prev_logprobs`` the
+            update must be on-policy (one update per batch) and pi_old is the detached current forward.
 
     Returns:
         metrics averaged over valid tokens of the whole batch (``loss``, ``grad_norm``, ``probs_ratio``, ...).
     """
     n = batch["input_ids"].shape[0]
     gbs = min(cfg.optim.train_global_batch_size or n, n)
+    if "prev_logprobs" not in batch and gbs != n:
+        msg = "prev_logprobs are missing but the step makes several optimizer updates; compute them (policy_logprobs)"
+        raise ValueError(msg)
     mbs = cfg.optim.train_micro_batch_size
     totals: dict[str, float] = {}
     losses, norms = [], []
@@ -61,12 +65,17 @@ def train_on_batch(
             width = int(batch["input_lengths"][mb].max())
             cut = {k: (v[mb, :width] if v.dim() == 2 else v[mb]) for k, v in batch.items()}
             logprobs = forward_logprobs(
-                model, cut["input_ids"], cut["input_lengths"], precision=cfg.model.precision, temperature=cfg.generation.temperature
-            )
+                model,
+                cut["input_ids"],
+                cut["input_lengths"],
+                precision=cfg.model.precision,
+                temperature=cfg.generation.temperature,
+                first_token=first_response_token(cut["token_mask"]),
+            )  # [m, S]
             loss, sums = clipped_pg_loss(
                 LossInputs(
                     logprobs=logprobs,
-                    prev_logprobs=cut["prev_logprobs"],
+                    prev_logprobs=cut["prev_logprobs"] if "prev_logprobs" in cut else logprobs.detach(),
                     reference_policy_logprobs=cut["reference_policy_logprobs"],
                     generation_logprobs=cut["generation_logprobs"],
                     advantages=cut["advantages"],

@@ -21,11 +21,12 @@ def _write_logprobs(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta, model, fie
     runtime.set_threads()
     dp = runtime.dataplane(cfg, run)
     tok = runtime.tokenizer(run.model_path)
-    batch = dp.read(meta, [F.INPUT_IDS, F.INPUT_LENGTHS], pad_value_dict={F.INPUT_IDS: tok.pad_token_id})
+    batch = dp.read(meta, [F.INPUT_IDS, F.INPUT_LENGTHS, F.TOKEN_MASK], pad_value_dict={F.INPUT_IDS: tok.pad_token_id})
     lp = batched_logprobs(
         model,
         batch[F.INPUT_IDS],
         batch[F.INPUT_LENGTHS],
+        batch[F.TOKEN_MASK],
         batch_size=cfg.optim.logprob_batch_size,
         precision=cfg.model.precision,
         temperature=cfg.generation.temperature,
@@ -36,10 +37,17 @@ def _write_logprobs(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta, model, fie
 
 @task(retries=2)
 def policy_logprobs(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta) -> KVBatchMeta:
-    """Write ``prev_logprobs``: log pi_old of every token under the policy that generated the step."""
+    """Write ``prev_logprobs``: log pi_old of every token under the policy that generated the step.
+
+    Skipped when the step is on-policy (one optimizer update per step): pi_old is then the policy being
+    trained, and the train task takes ``prev_logprobs`` from its own forward pass (detached), which saves
+    one forward pass over the batch and is exactly equal rather than equal up to float noise.
+    """
     from dataplane import fields as F
     from tasks import runtime
 
+    if cfg.on_policy:
+        return meta.with_extra_info(**{"timing/train/prev_lp": 0.0, "prev_logprobs_from_train": 1.0})
     return _write_logprobs(cfg, run, meta, runtime.peek_policy(cfg, run, policy), F.PREV_LOGPROBS, "prev_lp")
 
 

@@ -61,6 +61,8 @@ def peek_policy(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Any:
     live = _LIVE.get(run.run_id)
     if live is not None and live.step == policy.step:
         return live.model
+    if policy.step == 0:  # the trainer starts from this model: load it once for both
+        return take_trainer(cfg, run, policy).model
     from rl.checkpoint import local_copy
     from rl.model import load_model
 

@@ -29,7 +29,8 @@ def train(
     meta = batch.join(prev, ref)
     dp = runtime.dataplane(cfg, run)
     tok = runtime.tokenizer(run.model_path)
-    data = dp.read(meta, F.DP_TRAIN_FIELDS, pad_value_dict={F.INPUT_IDS: tok.pad_token_id})
+    wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
+    data = dp.read(meta, wanted, pad_value_dict={F.INPUT_IDS: tok.pad_token_id})
     state = runtime.take_trainer(cfg, run, policy)
     metrics = train_on_batch(state.model, state.optimizer, state.scheduler, data, cfg)
     state.step = step

@@ -1,0 +1,80 @@
+"""Shared fixtures: deterministic seeds and threads, a real S3 server on loopback (moto), stores, tiny model."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("FLYTE_LOCAL_CACHE_ENABLED", "false")
+os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible HTTP server (moto's server mode) on 127.0.0.1, with bucket ``grpoflow``."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="grpoflow")
+    yield endpoint
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """``(root_url, storage_options)`` of an empty data-plane root: a local folder, then loopback S3."""
+    if request.param == "local":
+        return str(tmp_path / "dp"), {}
+    endpoint = request.getfixturevalue("s3_server")
+    prefix = f"s3://grpoflow/{request.node.name.replace('[', '-').replace(']', '')}-{random.randrange(1 << 30)}"
+    import fsspec
+
+    fsspec.filesystem("s3").clear_instance_cache()
+    return prefix, {"endpoint_url": endpoint}
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> str:
+    """The converted SmolLM2-135M-Instruct folder (converted once, cached outside the repo)."""
+    from rl.model import resolve_model
+
+    return resolve_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, real_model_dir) -> str:
+    """A random 2-layer Llama (hidden 64) with the real SmolLM2 tokenizer."""
+    from rl.model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_source=real_model_dir)

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl.config import GRPOConfig, config_from_dict, load_config
+
+
+def test_defaults_are_valid_and_json_safe():
+    cfg = GRPOConfig()
+    assert cfg.samples_per_step == 64
+    json.dumps(cfg.to_dict())
+    assert "dataplane.storage_options" not in cfg.flat_params()
+    assert cfg.flat_params()["loss.reference_policy_kl_penalty"] == "0.01"
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "match"),
+    [
+        ("grpo", {"num_generations_per_prompt": 1}, "at least 2"),
+        ("loss", {"reference_policy_kl_type": "k9"}, "use 'k1', 'k2' or 'k3'"),
+        ("loss", {"ratio_clip_max": 1.5}, "ratio_clip_max"),
+        ("loss", {"ratio_clip_c": 0.5}, "ratio_clip_c"),
+        ("optim", {"lr": 0}, "positive learning rate"),
+        ("optim", {"train_global_batch_size": 12, "train_micro_batch_size": 8}, "multiple"),
+        ("generation", {"temperature": 0}, "temperature"),
+        ("model", {"precision": "fp8"}, "'bfloat16' or 'float32'"),
+        ("dataplane", {"storage_options": {"secret": "x"}}, "environment"),
+    ],
+)
+def test_bad_values_fail_with_a_fix(section, values, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict({section: values})
+
+
+def test_global_batch_must_divide_step():
+    with pytest.raises(ValueError, match="does not divide"):
+        config_from_dict({"optim": {"train_global_batch_size": 48, "train_micro_batch_size": 8}})
+
+
+def test_unknown_keys_are_named():
+    with pytest.raises(ValueError, match=r"unknown keys \['lr_typo'\]"):
+        config_from_dict({"optim": {"lr_typo": 1}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        config_from_dict({"optimizer": {}})
+
+
+def test_load_yaml_json_inline(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("grpo:\n  max_num_steps: 7\n")
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"optim": {"lr": 0.001}}))
+    assert load_config(str(y)).grpo.max_num_steps == 7
+    assert load_config(str(j)).optim.lr == 0.001
+    assert load_config('{"generation": {"max_new_tokens": 5}}').generation.max_new_tokens == 5
+    with pytest.raises(ValueError, match="neither an existing"):
+        load_config("missing.yaml")
