@@ -46,7 +46,7 @@ class DataConfig:
     """Seed of the training problem stream."""
     val_seed: int = 4242
     """Seed of the validation problems."""
-    num_val_problems: int = 64
+    num_val_problems: int = 32
     """Validation problems per pass (greedy, one completion each)."""
     val_fraction: float = 0.2
     """Share of the question space (by a hash of the question text) held out for validation only."""
@@ -78,8 +78,16 @@ class GRPOSettings:
     """Divide advantages by the group's reward std where std > 0."""
     seed: int = 42
     """Seed of sampling and of the optimizer's randomness."""
+    use_dynamic_sampling: bool = False
+    """DAPO dynamic sampling: keep only groups whose rewards differ, generating more batches until B groups."""
+    dynamic_sampling_max_gen_batches: int = 10
+    """Generation batches tried per step before dynamic sampling gives up with an error."""
+    overlong_filtering: bool = False
+    """Exclude truncated completions from the loss (``sample_mask`` 0), as DAPO does."""
 
     def __post_init__(self) -> None:
+        if self.dynamic_sampling_max_gen_batches < 1:
+            _fail("grpo.dynamic_sampling_max_gen_batches", f"is {self.dynamic_sampling_max_gen_batches}", "use at least 1")
         if self.num_prompts_per_step < 1:
             _fail("grpo.num_prompts_per_step", f"is {self.num_prompts_per_step}", "use at least 1")
         if self.num_generations_per_prompt < 2:
@@ -130,6 +138,8 @@ class LossConfig:
     """Dual clip constant c > 1 for negative advantages (None: off)."""
     token_level_loss: bool = True
     """Average over all valid tokens of the batch (True) or per-sequence means over sequences (False)."""
+    seq_logprob_error_threshold: float | None = None
+    """Mask sequences whose mean exp(|generation - prev| logprob) exceeds this (e.g. 2.0); None: off."""
 
     def __post_init__(self) -> None:
         if self.reference_policy_kl_type not in ("k1", "k2", "k3"):
@@ -140,6 +150,8 @@ class LossConfig:
             value = getattr(self, name)
             if not 0 <= value < 1:
                 _fail(f"loss.{name}", f"is {value}", "use a value in [0, 1), e.g. 0.2")
+        if self.seq_logprob_error_threshold is not None and self.seq_logprob_error_threshold < 1:
+            _fail("loss.seq_logprob_error_threshold", f"is {self.seq_logprob_error_threshold}", "use a value >= 1 (1 = exact agreement) or null")
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
             _fail("loss.ratio_clip_c", f"is {self.ratio_clip_c}", "use a value > 1 (e.g. 3) or null to turn dual clip off")
 
@@ -195,6 +207,9 @@ class CheckpointingConfig:
     """Save a full checkpoint (weights, optimizer, RNG, data position) every this many steps and at the end."""
     keep_last_k: int = 2
     """Full checkpoints kept; older ones are deleted."""
+    resume_run_id: str | None = None
+    """Continue this run (its ``run_id``, printed at start) from its latest complete checkpoint, in the same
+    MLflow run; the other settings should match the original run's. None starts a new run."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_period < 1 or self.keep_last_k < 1:
@@ -236,8 +251,9 @@ class GRPOConfig:
 
     @property
     def on_policy(self) -> bool:
-        """True when each step makes exactly one optimizer update, so pi_old is the policy being trained."""
-        return self.global_batch_size == self.samples_per_step
+        """True when each step makes exactly one optimizer update, so pi_old is the policy being trained and
+        no separate ``prev_logprobs`` forward is needed (unless the logprob-error mask asks for it)."""
+        return self.global_batch_size == self.samples_per_step and self.loss.seq_logprob_error_threshold is None
 
     @property
     def global_batch_size(self) -> int:
@@ -245,6 +261,11 @@ class GRPOConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> GRPOConfig:
+        """Strict parse of a (partial) JSON config: unknown keys raise. ``pyflyte run ... --cfg`` uses this."""
+        return config_from_dict(json.loads(text))
 
     def flat_params(self) -> dict[str, str]:
         """Flattened ``section.key -> str(value)`` for MLflow params (storage options left out)."""

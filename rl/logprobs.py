@@ -20,9 +20,9 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperat
         temperature: logits are divided by it, matching the sampling distribution of generation.
 
     Returns:
-        [M, S] float32: entry t (t >= 1) = log p(input_ids[t] | input_ids[<t]) in nats; entry 0 is 0.
+        [M, S] float32 (float64 for float64 logits): entry t (t >= 1) = log p(input_ids[t] | input_ids[<t]) in nats; entry 0 is 0.
     """
-    shifted = logits[:, :-1].float()  # [M, S-1, V]
+    shifted = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))  # [M, S-1, V]
     if temperature != 1.0:
         shifted = shifted / temperature
     targets = input_ids[:, 1:, None]  # [M, S-1, 1]
@@ -66,7 +66,7 @@ def forward_logprobs(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), logits_to_keep=keep
         ).logits  # [M, keep, V]
     lp = logprobs_from_logits(logits, input_ids[:, first_token - 1 :].to(device), temperature).cpu()  # [M, keep]
-    out = torch.zeros(m, s, dtype=torch.float32)  # [M, S]
+    out = torch.zeros(m, s, dtype=lp.dtype)  # [M, S]
     out[:, first_token:] = lp[:, 1:]
     return out * attention_mask
 

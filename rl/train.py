@@ -10,6 +10,7 @@ import torch
 
 from rl.config import GRPOConfig
 from rl.logprobs import first_response_token, forward_logprobs
+from rl.filters import seq_mult_prob_error
 from rl.loss import LossInputs, clipped_pg_loss, loss_mask
 
 
@@ -51,7 +52,12 @@ def train_on_batch(
         raise ValueError(msg)
     mbs = cfg.optim.train_micro_batch_size
     totals: dict[str, float] = {}
-    losses, norms = [], []
+    losses, norms, seq_errors = [], [], []
+    batch = dict(batch)
+    threshold = cfg.loss.seq_logprob_error_threshold
+    if threshold is not None:  # mask sequences whose generation logprobs disagree with pi_old (NeMo-RL grpo_sync)
+        err = seq_mult_prob_error(batch["generation_logprobs"], batch["prev_logprobs"], batch["token_mask"])  # [N]
+        batch["sample_mask"] = batch["sample_mask"].bool() & (err <= threshold)
     model.train()
     for g0 in range(0, n, gbs):
         rows = slice(g0, g0 + gbs)
@@ -72,10 +78,11 @@ def train_on_batch(
                 temperature=cfg.generation.temperature,
                 first_token=first_response_token(cut["token_mask"]),
             )  # [m, S]
+            prev = cut["prev_logprobs"] if "prev_logprobs" in cut else logprobs.detach()  # [m, S]
             loss, sums = clipped_pg_loss(
                 LossInputs(
                     logprobs=logprobs,
-                    prev_logprobs=cut["prev_logprobs"] if "prev_logprobs" in cut else logprobs.detach(),
+                    prev_logprobs=prev,
                     reference_policy_logprobs=cut["reference_policy_logprobs"],
                     generation_logprobs=cut["generation_logprobs"],
                     advantages=cut["advantages"],
@@ -92,6 +99,8 @@ def train_on_batch(
                 global_valid_seqs=global_seqs,
             )
             loss.backward()
+            errors = seq_mult_prob_error(cut["generation_logprobs"], prev, cut["token_mask"])  # [m]
+            seq_errors.append(errors[cut["sample_mask"].bool()])
             step_loss += float(loss.detach())
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
@@ -104,7 +113,13 @@ def train_on_batch(
     optimizer.zero_grad(set_to_none=True)
     toks = max(totals.pop("valid_toks", 0.0), 1.0)
     metrics = {k: v / toks for k, v in totals.items()}
+    errors = torch.cat(seq_errors) if seq_errors else torch.ones(1)
+    errors = errors if errors.numel() else torch.ones(1)
     metrics.update(
+        max_seq_mult_prob_error=float(errors.max()),
+        mean_seq_mult_prob_error=float(errors.mean()),
+        min_seq_mult_prob_error=float(errors.min()),
+        num_masked_by_seq_logprob_error=float(n - int(batch["sample_mask"].bool().sum())) if threshold is not None else 0.0,
         loss=sum(losses) / len(losses),
         grad_norm=sum(norms) / len(norms),
         lr=float(scheduler.get_last_lr()[0]),

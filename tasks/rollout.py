@@ -13,26 +13,21 @@ from tasks.types import PolicyVersion, RunInfo
 
 @task(retries=2)
 def rollout(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int) -> KVBatchMeta:
-    """Write the step partition's bulk columns (``ROLLOUT_FIELDS``) for the B prompts of ``step``."""
+    """Write the step partition's bulk columns (``ROLLOUT_FIELDS``) for the B groups of ``step`` (after dynamic
+    sampling and overlong filtering when they are on)."""
     import torch
 
     from dataplane import paths
-    from rl.data import train_problems
-    from rl.rollout import STEP_SCHEMA, rollout_columns
+    from rl.rollout import STEP_SCHEMA, sample_step, to_columns
     from tasks import runtime
 
     started = time.time()
     runtime.set_threads()
-    b, g = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
-    d = cfg.data
-    problems = train_problems(
-        dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=(step - 1) * b, count=b
-    )
+    g = cfg.grpo.num_generations_per_prompt
     torch.manual_seed(cfg.grpo.seed * 1_000_003 + step)
     model = runtime.peek_policy(cfg, run, policy)
-    columns, metrics = rollout_columns(
-        model, runtime.tokenizer(run.model_path), problems, cfg, group_size=g, greedy=False, weight_version=policy.step
-    )
+    groups, sample_mask, metrics = sample_step(model, runtime.tokenizer(run.model_path), cfg, step=step)
+    columns = to_columns(groups, sample_mask, group_size=g, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
     partition = paths.step_partition(step)
     dp.register_partition(partition, fields=STEP_SCHEMA, consumers=["prev_lp", "ref_lp", "train"])

@@ -24,6 +24,8 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=1)
     if cfg.grpo.val_period or cfg.grpo.val_at_start:
         val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
+    if cfg.checkpointing.resume_run_id:
+        return _resume(cfg, cfg.checkpointing.resume_run_id, model_path)
     run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     execution = current_context().execution_id
     tags = {
@@ -40,6 +42,38 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     )
     print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {model_path}", flush=True)
     return RunInfo(run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path)
+
+
+def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
+    """Pick up ``run_id`` at its latest complete checkpoint with trainer state."""
+    import json
+
+    import fsspec
+
+    from dataplane import paths
+    from rl import checkpoint
+    from tasks import tracking
+
+    so = cfg.dataplane.storage_options
+    found = [(s, u) for s, u in checkpoint.list_complete(paths.checkpoints_dir(cfg.dataplane.root, run_id), so) if checkpoint.has_trainer_state(u, so)]
+    if not found:
+        msg = f"checkpointing.resume_run_id={run_id!r}: no complete checkpoint under {paths.checkpoints_dir(cfg.dataplane.root, run_id)}; check the run id and dataplane.root"
+        raise ValueError(msg)
+    step, url = found[-1]
+    fs, path = fsspec.core.url_to_fs(url, **so)
+    state = json.loads(fs.cat_file(f"{path}/{checkpoint.TRAINER_STATE}/state.json"))
+    c = tracking.client(cfg.tracking.uri)
+    logged = max((m.step for m in c.get_metric_history(state["mlflow_run_id"], "train/loss")), default=0)
+    c.update_run(state["mlflow_run_id"], status="RUNNING")
+    print(f"[grpoflow] resuming run {run_id} from step {step} ({url}) | MLflow run {state['mlflow_run_id']}", flush=True)
+    return RunInfo(
+        run_id=run_id,
+        mlflow_run_id=state["mlflow_run_id"],
+        model_path=model_path,
+        start_step=step,
+        start_policy_path=url,
+        logged_through_step=logged,
+    )
 
 
 def _version() -> str:

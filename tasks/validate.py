@@ -17,7 +17,9 @@ def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     from dataplane import fields as F
     from dataplane import paths
     from rl.data import val_problems
-    from rl.rollout import ROLLOUT_DTYPES, rollout_columns
+    import torch
+
+    from rl.rollout import ROLLOUT_DTYPES, generate_groups, to_columns
     from tasks import runtime, tracking
 
     started = time.time()
@@ -25,7 +27,10 @@ def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     d = cfg.data
     problems = val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
     model = runtime.peek_policy(cfg, run, policy)
-    columns, metrics = rollout_columns(model, runtime.tokenizer(run.model_path), problems, cfg, group_size=1, greedy=True, weight_version=policy.step)
+    t0 = time.perf_counter()
+    groups = generate_groups(model, runtime.tokenizer(run.model_path), problems, cfg, group_size=1, greedy=True)
+    gen_s = time.perf_counter() - t0
+    columns = to_columns(groups, torch.ones(len(problems), dtype=torch.bool), group_size=1, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
     partition = paths.val_partition(policy.step)
     dp.register_partition(partition, fields=ROLLOUT_DTYPES, consumers=["validation"])
@@ -53,7 +58,7 @@ def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     tracking.client(cfg.tracking.uri).log_table(run.mlflow_run_id, data=table, artifact_file=f"validation/step_{policy.step:06d}.json")
     print(
         f"[grpoflow] validation at step {policy.step} | accuracy {accuracy:.3f} on {len(problems)} held-out problems"
-        f" | avg length {float(lengths):.1f} | {metrics['generation_time_s']:.1f} s",
+        f" | avg length {float(lengths):.1f} | {gen_s:.1f} s",
         flush=True,
     )
     return accuracy
