@@ -102,22 +102,29 @@ class DataPlane:
             DataPlaneError: the partition was never registered or was cleared.
         """
         path = paths.schema_path(self._part(partition_id))
-        if not self.fs.exists(path):
+        try:  # one GET, never a cached listing: another process may have cleared or registered it
+            blob = self.fs.cat_file(path)
+        except FileNotFoundError:
             msg = (
                 f"partition {partition_id!r} of run {self.run_id!r} under {self.root_url!r} does not exist: "
                 "it was never registered or it was cleared"
             )
-            raise DataPlaneError(msg)
-        return json.loads(self.fs.cat_file(path))["fields"]
+            raise DataPlaneError(msg) from None
+        return json.loads(blob)["fields"]
 
     def exists(self, partition_id: str) -> bool:
-        return self.fs.exists(paths.schema_path(self._part(partition_id)))
+        path = paths.schema_path(self._part(partition_id))
+        self.fs.invalidate_cache(path)  # s3fs answers from its listing cache, which other processes make stale
+        return self.fs.exists(path)
 
     def clear(self, partition_id: str) -> None:
         """Delete a partition and everything in it; later reads of it raise DataPlaneError."""
         part = self._part(partition_id)
-        if self.fs.exists(part):
+        self.fs.invalidate_cache(part)
+        try:
             self.fs.rm(part, recursive=True)
+        except FileNotFoundError:
+            pass
 
     # ---------------------------------------------------------------- writes
     def put(
@@ -226,20 +233,21 @@ class DataPlane:
         self._put_atomic(paths.join(paths.discards_dir(part), f"{uuid.uuid4().hex}.json"), doc)
 
     # ---------------------------------------------------------------- reads
-    def _commits(self, part: str) -> list[dict[str, Any]]:
-        cdir = paths.commits_dir(part)
-        if not self.fs.exists(cdir):
+    def _list_json(self, folder: str) -> list[bytes]:
+        """Contents of the ``*.json`` records in ``folder`` ([] if there is none), listed afresh on every call:
+        s3fs caches listings per filesystem instance, and commits land from other processes."""
+        try:
+            files = [p for p in self.fs.ls(folder, detail=False, refresh=True) if p.endswith(".json")]
+        except FileNotFoundError:
             return []
-        files = [p for p in self.fs.ls(cdir, detail=False) if p.endswith(".json")]
-        records = [json.loads(blob) for blob in self.fs.cat(files).values()] if files else []
+        return list(self.fs.cat(files).values()) if files else []
+
+    def _commits(self, part: str) -> list[dict[str, Any]]:
+        records = [json.loads(blob) for blob in self._list_json(paths.commits_dir(part))]
         return sorted(records, key=lambda r: (r["created_unix_ns"], r["write_id"]))
 
     def _discarded(self, part: str) -> set[str]:
-        ddir = paths.discards_dir(part)
-        if not self.fs.exists(ddir):
-            return set()
-        files = [p for p in self.fs.ls(ddir, detail=False) if p.endswith(".json")]
-        return {s for blob in self.fs.cat(files).values() for s in json.loads(blob)["sample_ids"]}
+        return {s for blob in self._list_json(paths.discards_dir(part)) for s in json.loads(blob)["sample_ids"]}
 
     def read(
         self,

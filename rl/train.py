@@ -26,6 +26,42 @@ def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> tuple[torch.optim
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def _micro_batch_loss(
+    model: torch.nn.Module, cut: Mapping[str, torch.Tensor], cfg: GRPOConfig, *, global_toks: float, global_seqs: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Forward one micro-batch and return (loss with grad, detached metric sums, [valid m] seq errors)."""
+    logprobs = forward_logprobs(
+        model,
+        cut["input_ids"],
+        cut["input_lengths"],
+        precision=cfg.model.precision,
+        temperature=cfg.generation.temperature,
+        first_token=first_response_token(cut["token_mask"]),
+    )  # [m, S]
+    prev = cut["prev_logprobs"] if "prev_logprobs" in cut else logprobs.detach()  # [m, S]
+    loss, sums = clipped_pg_loss(
+        LossInputs(
+            logprobs=logprobs,
+            prev_logprobs=prev,
+            reference_policy_logprobs=cut["reference_policy_logprobs"],
+            generation_logprobs=cut["generation_logprobs"],
+            advantages=cut["advantages"],
+            token_mask=cut["token_mask"],
+            sample_mask=cut["sample_mask"],
+        ),
+        ratio_clip_min=cfg.loss.ratio_clip_min,
+        ratio_clip_max=cfg.loss.ratio_clip_max,
+        ratio_clip_c=cfg.loss.ratio_clip_c,
+        reference_policy_kl_penalty=cfg.loss.reference_policy_kl_penalty,
+        reference_policy_kl_type=cfg.loss.reference_policy_kl_type,
+        token_level_loss=cfg.loss.token_level_loss,
+        global_valid_toks=global_toks,
+        global_valid_seqs=global_seqs,
+    )
+    errors = seq_mult_prob_error(cut["generation_logprobs"], prev, cut["token_mask"])  # [m]
+    return loss, sums, errors[cut["sample_mask"].bool()]
+
+
 def train_on_batch(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -70,37 +106,9 @@ def train_on_batch(
             mb = slice(m0, min(m0 + mbs, g0 + gbs, n))
             width = int(batch["input_lengths"][mb].max())
             cut = {k: (v[mb, :width] if v.dim() == 2 else v[mb]) for k, v in batch.items()}
-            logprobs = forward_logprobs(
-                model,
-                cut["input_ids"],
-                cut["input_lengths"],
-                precision=cfg.model.precision,
-                temperature=cfg.generation.temperature,
-                first_token=first_response_token(cut["token_mask"]),
-            )  # [m, S]
-            prev = cut["prev_logprobs"] if "prev_logprobs" in cut else logprobs.detach()  # [m, S]
-            loss, sums = clipped_pg_loss(
-                LossInputs(
-                    logprobs=logprobs,
-                    prev_logprobs=prev,
-                    reference_policy_logprobs=cut["reference_policy_logprobs"],
-                    generation_logprobs=cut["generation_logprobs"],
-                    advantages=cut["advantages"],
-                    token_mask=cut["token_mask"],
-                    sample_mask=cut["sample_mask"],
-                ),
-                ratio_clip_min=cfg.loss.ratio_clip_min,
-                ratio_clip_max=cfg.loss.ratio_clip_max,
-                ratio_clip_c=cfg.loss.ratio_clip_c,
-                reference_policy_kl_penalty=cfg.loss.reference_policy_kl_penalty,
-                reference_policy_kl_type=cfg.loss.reference_policy_kl_type,
-                token_level_loss=cfg.loss.token_level_loss,
-                global_valid_toks=global_toks,
-                global_valid_seqs=global_seqs,
-            )
+            loss, sums, errors = _micro_batch_loss(model, cut, cfg, global_toks=global_toks, global_seqs=global_seqs)
             loss.backward()
-            errors = seq_mult_prob_error(cut["generation_logprobs"], prev, cut["token_mask"])  # [m]
-            seq_errors.append(errors[cut["sample_mask"].bool()])
+            seq_errors.append(errors)
             step_loss += float(loss.detach())
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + float(v)

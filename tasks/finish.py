@@ -8,6 +8,18 @@ from rl.config import GRPOConfig
 from tasks.types import PolicyVersion, RunInfo, RunSummary
 
 
+def _log_model(c, cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> None:
+    """Log the final weights as an HF folder artifact (``model/``) that ``from_pretrained`` loads."""
+    from pathlib import Path
+
+    from rl.checkpoint import local_copy
+
+    folder = Path(local_copy(policy.path, cfg.dataplane.storage_options))
+    for item in sorted(folder.iterdir()):
+        if item.is_file() and not item.name.startswith("_"):  # HF files only: no trainer state, no marker
+            c.log_artifact(run.mlflow_run_id, str(item), artifact_path="model")
+
+
 @task(enable_deck=True)
 def finish_run(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, validation_accuracy: float) -> RunSummary:
     """Log the reward/accuracy plot and the last checkpoint's location, mark the MLflow run finished."""
@@ -19,6 +31,7 @@ def finish_run(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, validation_
     c.log_figure(run.mlflow_run_id, fig, "plots/reward_accuracy.png")
     Deck("training curves", plots.to_html(fig))
     c.set_tag(run.mlflow_run_id, "grpoflow.last_checkpoint", policy.path)
+    _log_model(c, cfg, run, policy)
     tracking.set_terminated(cfg.tracking.uri, run.mlflow_run_id)
     final = c.get_run(run.mlflow_run_id).data.metrics
     print(f"[grpoflow] done: {policy.step} steps | final reward {final.get('train/reward', float('nan')):.3f}"

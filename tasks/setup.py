@@ -62,9 +62,7 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
     step, url = found[-1]
     fs, path = fsspec.core.url_to_fs(url, **so)
     state = json.loads(fs.cat_file(f"{path}/{checkpoint.TRAINER_STATE}/state.json"))
-    c = tracking.client(cfg.tracking.uri)
-    logged = max((m.step for m in c.get_metric_history(state["mlflow_run_id"], "train/loss")), default=0)
-    c.update_run(state["mlflow_run_id"], status="RUNNING")
+    tracking.client(cfg.tracking.uri).update_run(state["mlflow_run_id"], status="RUNNING")
     print(f"[grpoflow] resuming run {run_id} from step {step} ({url}) | MLflow run {state['mlflow_run_id']}", flush=True)
     return RunInfo(
         run_id=run_id,
@@ -72,7 +70,6 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
         model_path=model_path,
         start_step=step,
         start_policy_path=url,
-        logged_through_step=logged,
     )
 
 

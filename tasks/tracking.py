@@ -40,15 +40,24 @@ def start_run(*, uri: str, experiment_name: str, run_name: str | None, params: d
     return run.info.run_id
 
 
-def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
-    """All of a step's metrics in one ``log_batch`` call."""
+def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> bool:
+    """All of a step's metrics in one ``log_batch`` call, once: if the run already holds the first of these
+    metrics at ``step`` (a retried task, or a resumed run redoing a step), nothing is logged.
+
+    Returns:
+        whether the metrics were logged.
+    """
     from mlflow.entities import Metric
 
+    c = client(uri)
+    marker = min(metrics)
+    if any(m.step == step for m in c.get_metric_history(run_id, marker)):
+        return False
     now = int(time.time() * 1000)
     items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
-    c = client(uri)
     for i in range(0, len(items), 1000):
         c.log_batch(run_id, metrics=items[i : i + 1000])
+    return True
 
 
 def set_terminated(uri: str, run_id: str, status: str = "FINISHED") -> None:

@@ -48,8 +48,7 @@ def train(
     out["timing/train/policy_training"] = trained - started
     out["timing/train/checkpointing"] = done - trained
     out["timing/train/total_step_time"] = time.time() - info["step_started_unix"]
-    if step > run.logged_through_step:  # a resumed run re-does steps after its checkpoint: log them once
-        tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, step)
+    tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, step)  # once, also when retried or resumed
     print(
         f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | reward {out['train/reward']:.3f} | loss {out['train/loss']:+.4f}"
         f" | kl {out['train/kl_penalty']:.5f} | gen {out['train/generated_tokens_per_s']:.0f} tok/s"

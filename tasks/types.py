@@ -17,8 +17,6 @@ class RunInfo:
     """Last completed step (0 for a new run; the checkpoint's step when resuming)."""
     start_policy_path: str = ""
     """Weights of ``start_step`` (the base model for a new run)."""
-    logged_through_step: int = 0
-    """Steps whose metrics the MLflow run already holds (a resumed run does not log them twice)."""
 
 
 @dataclass
