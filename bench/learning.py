@@ -1,6 +1,6 @@
 """Does GRPO learn? Held-out greedy accuracy of the real model before and after training, with 95% CIs.
 
-    python bench/learning.py [--cfg configs/learning.yaml]
+    python -m bench.learning [--cfg configs/learning.yaml]
 
 Runs the `grpo` workflow (Flyte local executor) with the given config, which validates at step 0 and every
 `val_period` steps on `data.num_val_problems` questions held out by content, then reads the curve back
@@ -43,7 +43,7 @@ def main() -> None:
     rewards = sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, "train/reward"))
     n = cfg.data.num_val_problems
     lines = [
-        f"Command: `python bench/learning.py --cfg {args.cfg}`; MLflow run `{summary.mlflow_run_id}` in `{cfg.tracking.uri}`.",
+        f"Command: `python -m bench.learning --cfg {args.cfg}`; MLflow run `{summary.mlflow_run_id}` in `{cfg.tracking.uri}`.",
         f"Wall time {wall / 60:.1f} min for {summary.final_step} steps (median step {sorted(step_time)[len(step_time) // 2]:.1f} s), "
         f"{n} held-out questions ({cfg.data.dataset} {cfg.data.dataset_kwargs}, split by content).",
         "",

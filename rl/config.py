@@ -101,7 +101,7 @@ class GRPOSettings:
 @dataclass
 class GenerationConfig:
     backend: str = "transformers"
-    """``transformers`` (CPU/GPU) or ``vllm`` (GPU rollout image)."""
+    """Generation back-end: ``transformers`` (KV-cached ``generate``, CPU or GPU). vLLM is not wired in yet."""
     max_new_tokens: int = 32
     """Most tokens generated per completion; longer completions are truncated."""
     temperature: float = 1.0
@@ -112,8 +112,8 @@ class GenerationConfig:
     """Sequences generated together."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("transformers", "vllm"):
-            _fail("generation.backend", f"is {self.backend!r}", "use 'transformers' or 'vllm'")
+        if self.backend != "transformers":
+            _fail("generation.backend", f"is {self.backend!r}", "only 'transformers' is available in this version (the vLLM back-end is planned)")
         if self.max_new_tokens < 1:
             _fail("generation.max_new_tokens", f"is {self.max_new_tokens}", "use at least 1")
         if self.temperature <= 0:

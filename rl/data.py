@@ -60,14 +60,15 @@ def train_problems(
 ) -> list[Problem]:
     """Problems ``start .. start+count-1`` of the training stream (deterministic, unbounded).
 
-    The stream is chunk after chunk of reasoning-gym problems (chunk c drawn with seed ``seed + c``),
-    keeping only questions of the train split.
+    The stream is chunk after chunk of reasoning-gym problems, keeping only questions of the train split.
+    reasoning-gym seeds item i of a dataset with ``seed + i``, so chunk c is drawn with seed
+    ``seed + c * chunk_size``: consecutive chunks continue the sequence instead of repeating it shifted.
     """
     kwargs = tuple(sorted(dataset_kwargs.items()))
     out: list[Problem] = []
     chunk, offset = 0, start
     while len(out) < count:
-        items = _chunk(dataset, kwargs, seed + chunk, "train", val_fraction)
+        items = _chunk(dataset, kwargs, seed + chunk * _CHUNK, "train", val_fraction)
         if not items:
             msg = f"no training questions in {dataset} chunk {chunk}; lower data.val_fraction"
             raise ValueError(msg)
@@ -92,7 +93,7 @@ def val_problems(
     kwargs = tuple(sorted(dataset_kwargs.items()))
     seen: dict[str, Problem] = {}
     for chunk in range(20):
-        for p in _chunk(dataset, kwargs, seed + chunk, "val", val_fraction):
+        for p in _chunk(dataset, kwargs, seed + chunk * _CHUNK, "val", val_fraction):
             seen.setdefault(p.question, p)
             if len(seen) == count:
                 return list(seen.values())
