@@ -36,6 +36,27 @@ class Generated:
     response_token_ids: list[list[int]]
 
 
+def _group_size(prompts: list[list[int]]) -> int:
+    """G if ``prompts`` is runs of G identical consecutive prompts (a rollout's groups), else 1."""
+    g = 1
+    while g < len(prompts) and prompts[g] == prompts[0]:
+        g += 1
+    if len(prompts) % g or any(prompts[i] != prompts[i - i % g] for i in range(len(prompts))):
+        return 1
+    return g
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, P] int64 ids and attention mask, left-padded to the longest prompt."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)  # [n, P]
+    attn = torch.zeros((len(prompts), width), dtype=torch.int64)  # [n, P]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
+    return ids, attn
+
+
 def generate(
     model: torch.nn.Module,
     tokenizer,
@@ -48,7 +69,10 @@ def generate(
     batch_size: int = 64,
     precision: str = "float32",
 ) -> Generated:
-    """Generate one completion per prompt (repeat a prompt G times for a group).
+    """Generate one completion per prompt (repeat a prompt G times, consecutively, for a group).
+
+    When the prompts come in runs of G identical ones, each distinct prompt is prefilled once and its KV
+    cache repeated G times, so the prompt is encoded B times instead of B*G.
 
     Args:
         model: causal LM (eval mode).
@@ -57,13 +81,13 @@ def generate(
         max_new_tokens: most tokens per completion.
         temperature, top_p: sampling; ignored when ``greedy``.
         greedy: argmax decoding (validation).
-        batch_size: sequences per ``generate`` call.
+        batch_size: sequences per ``generate`` call (rounded down to whole groups).
         precision: ``bfloat16`` (autocast) or ``float32``.
 
     Returns:
         :class:`Generated`. Randomness comes from torch's global generator: seed it before calling.
     """
-    from transformers import GenerationConfig
+    from transformers import DynamicCache, GenerationConfig
 
     eos = tokenizer.eos_token_id
     config = GenerationConfig(
@@ -79,18 +103,23 @@ def generate(
     )
     scale = 1.0 if greedy else temperature
     device = device_of(model)
+    g = _group_size(prompts)
+    step = max(g, batch_size // g * g)
     out = Generated([], [], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), [])
     p_lens, r_lens, trunc = [], [], []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.int64)  # [n, P]
-        attn = torch.zeros((len(chunk), width), dtype=torch.int64)  # [n, P]
-        for i, p in enumerate(chunk):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            attn[i, width - len(p) :] = 1
+    for start in range(0, len(prompts), step):
+        chunk = prompts[start : start + step]
+        ids, attn = _left_pad(chunk[::g], tokenizer.pad_token_id)  # [n/g, P] each
+        width = ids.shape[1]
         with torch.no_grad(), autocast(model, precision):
-            result = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config)
+            kwargs = {}
+            if g > 1 and width > 1:  # prefill all but the last prompt token once per distinct prompt
+                cache = DynamicCache(config=model.config)
+                model(input_ids=ids[:, :-1].to(device), attention_mask=attn[:, :-1].to(device), past_key_values=cache, use_cache=True)
+                cache.batch_repeat_interleave(g)
+                kwargs["past_key_values"] = cache
+            ids, attn = ids.repeat_interleave(g, 0), attn.repeat_interleave(g, 0)  # [n, P]
+            result = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config, **kwargs)
         new = result.sequences[:, width:].cpu()  # [n, T]
         logits = torch.stack(result.logits, 1).float().cpu()  # [n, T, V]
         lp = (logits / scale).log_softmax(-1).gather(-1, new[..., None]).squeeze(-1)  # [n, T]

@@ -96,16 +96,17 @@ def batched_logprobs(
         [N, S] float32, 0 before each micro-batch's first response token and on padding.
     """
     out = torch.zeros(input_ids.shape, dtype=torch.float32)  # [N, S]
+    order = torch.argsort(input_lengths, stable=True)  # similar lengths per micro-batch pad less
     with torch.no_grad():
         for a in range(0, input_ids.shape[0], batch_size):
-            b = a + batch_size
-            width = int(input_lengths[a:b].max())
-            out[a:b, :width] = forward_logprobs(
+            rows = order[a : a + batch_size]  # [m]
+            width = int(input_lengths[rows].max())
+            out[rows, :width] = forward_logprobs(
                 model,
-                input_ids[a:b, :width],
-                input_lengths[a:b],
+                input_ids[rows, :width],
+                input_lengths[rows],
                 precision=precision,
                 temperature=temperature,
-                first_token=first_response_token(token_mask[a:b, :width]),
-            )
+                first_token=first_response_token(token_mask[rows, :width]),
+            ).to(out.dtype)
     return out

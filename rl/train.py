@@ -102,8 +102,10 @@ def train_on_batch(
         global_seqs = float(batch["sample_mask"][rows].float().sum().clamp(min=1))
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
-        for m0 in range(g0, min(g0 + gbs, n), mbs):
-            mb = slice(m0, min(m0 + mbs, g0 + gbs, n))
+        # micro-batches of similar lengths pad less; the global normalization makes the order irrelevant
+        order = g0 + torch.argsort(batch["input_lengths"][rows], stable=True)  # [gbs]
+        for m0 in range(0, len(order), mbs):
+            mb = order[m0 : m0 + mbs]  # [m]
             width = int(batch["input_lengths"][mb].max())
             cut = {k: (v[mb, :width] if v.dim() == 2 else v[mb]) for k, v in batch.items()}
             loss, sums, errors = _micro_batch_loss(model, cut, cfg, global_toks=global_toks, global_seqs=global_seqs)

@@ -69,3 +69,17 @@ def test_overlong_filtering_masks_truncated(tiny):
     torch.manual_seed(0)
     groups, mask, _ = sample_step(model, tok, _cfg(overlong_filtering=True), step=1)
     assert mask.tolist() == [not t for t in groups.truncated]
+
+
+def test_shared_prompt_prefill_matches_plain_generation(tiny):
+    from rl.generation import _group_size, generate
+
+    model, tok = tiny
+    prompts = [[1, 5, 9, 13], [1, 7, 2]]
+    grouped = [p for p in prompts for _ in range(3)]
+    assert _group_size(grouped) == 3 and _group_size(prompts) == 1
+    shared = generate(model, tok, grouped, max_new_tokens=5, greedy=True)
+    plain = [generate(model, tok, [p], max_new_tokens=5, greedy=True) for p in grouped]
+    for i, one in enumerate(plain):
+        assert torch.equal(shared.input_ids[i], one.input_ids[0])
+        assert torch.allclose(shared.generation_logprobs[i], one.generation_logprobs[0], atol=1e-3)  # float noise of padding
