@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+import dataclasses
 from typing import Any
 
 import fsspec
@@ -59,7 +60,10 @@ class DataPlane:
     def __init__(self, root: str, run_id: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
         self.root_url = root
         self.run_id = paths.check_name("run_id", run_id)
-        self.fs, self._root = fsspec.core.url_to_fs(root, **dict(storage_options or {}))
+        # No listings cache: s3fs would answer ls/exists/open from listings made before other processes
+        # committed (a read then misses their writes, or an open fails on a file that is there).
+        options = {"use_listings_cache": False, **dict(storage_options or {})}
+        self.fs, self._root = fsspec.core.url_to_fs(root, **options)
         self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
     def __repr__(self) -> str:
@@ -103,27 +107,25 @@ class DataPlane:
         """
         path = paths.schema_path(self._part(partition_id))
         try:  # one GET, never a cached listing: another process may have cleared or registered it
-            blob = self.fs.cat_file(path)
+            blob = self.fs.cat_file(path, start=0)  # start=0: s3fs sizes a whole-object read with a HEAD first
         except FileNotFoundError:
-            msg = (
-                f"partition {partition_id!r} of run {self.run_id!r} under {self.root_url!r} does not exist: "
-                "it was never registered or it was cleared"
-            )
-            raise DataPlaneError(msg) from None
+            raise DataPlaneError(self._missing(partition_id)) from None
         return json.loads(blob)["fields"]
 
+    def _missing(self, partition_id: str) -> str:
+        return (
+            f"partition {partition_id!r} of run {self.run_id!r} under {self.root_url!r} does not exist: "
+            "it was never registered or it was cleared"
+        )
+
     def exists(self, partition_id: str) -> bool:
-        path = paths.schema_path(self._part(partition_id))
-        self.fs.invalidate_cache(path)  # s3fs answers from its listing cache, which other processes make stale
-        return self.fs.exists(path)
+        return self.fs.exists(paths.schema_path(self._part(partition_id)))
 
     def clear(self, partition_id: str) -> None:
         """Delete a partition and everything in it; later reads of it raise DataPlaneError."""
-        part = self._part(partition_id)
-        self.fs.invalidate_cache(part)
         try:
-            self.fs.rm(part, recursive=True)
-        except FileNotFoundError:
+            self.fs.rm(self._part(partition_id), recursive=True)
+        except FileNotFoundError:  # never registered, or already cleared
             pass
 
     # ---------------------------------------------------------------- writes
@@ -191,8 +193,7 @@ class DataPlane:
         arrow_fields = [pa.field(SAMPLE_ID, pa.large_string(), nullable=False)]
         arrays: list[pa.Array] = [pa.array(meta.sample_ids, type=pa.large_string())]
         for name, value in columns.items():
-            _check_column(meta, schema, name, value, n)
-            f, arr = column_to_arrow(name, value)
+            f, arr = _checked_column(meta, schema, name, value, n)
             arrow_fields.append(f)
             arrays.append(arr)
         table = pa.Table.from_arrays(arrays, schema=pa.schema(arrow_fields))
@@ -200,9 +201,10 @@ class DataPlane:
         part = self._part(meta.partition_id)
         file_name = f"{write_id}-{uuid.uuid4().hex[:8]}"
         data = paths.data_path(part, file_name)
-        self.fs.makedirs(data.rsplit("/", 1)[0], exist_ok=True)
+        if self._local:  # object stores have no folders (s3fs would HEAD the bucket on every write)
+            self.fs.makedirs(data.rsplit("/", 1)[0], exist_ok=True)
         with self.fs.open(data, "wb") as fh:
-            pq.write_table(table, fh, use_dictionary=False, compression="lz4")
+            pq.write_table(table, fh, **_parquet_options(table.schema))
         record = {
             "write_id": write_id,
             "file": f"data/{file_name}.parquet",
@@ -233,21 +235,45 @@ class DataPlane:
         self._put_atomic(paths.join(paths.discards_dir(part), f"{uuid.uuid4().hex}.json"), doc)
 
     # ---------------------------------------------------------------- reads
-    def _list_json(self, folder: str) -> list[bytes]:
-        """Contents of the ``*.json`` records in ``folder`` ([] if there is none), listed afresh on every call:
-        s3fs caches listings per filesystem instance, and commits land from other processes."""
+    def _snapshot(self, part: str, partition_id: str) -> _Snapshot:
+        """What a read of partition folder ``part`` needs: one listing of the partition, then the schema,
+        commit and discard records in one batch of reads.
+
+        Raises:
+            DataPlaneError: the partition was never registered or was cleared.
+        """
         try:
-            files = [p for p in self.fs.ls(folder, detail=False, refresh=True) if p.endswith(".json")]
+            listing = self.fs.find(part)  # one LIST on an object store
         except FileNotFoundError:
-            return []
-        return list(self.fs.cat(files).values()) if files else []
+            listing = []
+        folder = {p: p[len(part) :].strip("/").split("/")[0] for p in listing}  # "_commits", "data", ...
+        schema = paths.schema_path(part)
+        if self.fs._strip_protocol(schema) not in folder:
+            raise DataPlaneError(self._missing(partition_id))
+        records = [p for p, f in folder.items() if f in ("_commits", "_discards") and p.endswith(".json")]
+        try:  # start=0: one GET each (s3fs sizes a whole-object read with a HEAD first)
+            blobs = self.fs.cat([schema, *records], start=0)
+        except FileNotFoundError:  # cleared between the listing and the reads
+            raise DataPlaneError(self._missing(partition_id)) from None
+        snap = _Snapshot(part=part)
+        for path, blob in blobs.items():
+            doc = json.loads(blob)
+            kind = folder.get(path)
+            if kind == "_commits":
+                snap.commits.append(doc)
+            elif kind == "_discards":
+                snap.discarded.update(doc["sample_ids"])
+            else:
+                snap.fields = doc["fields"]
+        snap.commits.sort(key=lambda r: (r["created_unix_ns"], r["write_id"]))
+        return snap
 
     def _commits(self, part: str) -> list[dict[str, Any]]:
-        records = [json.loads(blob) for blob in self._list_json(paths.commits_dir(part))]
-        return sorted(records, key=lambda r: (r["created_unix_ns"], r["write_id"]))
-
-    def _discarded(self, part: str) -> set[str]:
-        return {s for blob in self._list_json(paths.discards_dir(part)) for s in json.loads(blob)["sample_ids"]}
+        """Commit records of partition folder ``part``, oldest first ([] if it does not exist)."""
+        try:
+            return self._snapshot(part, part).commits
+        except DataPlaneError:
+            return []
 
     def read(
         self,
@@ -279,17 +305,17 @@ class DataPlane:
         if not select_fields:
             msg = "select_fields is required: name the columns to read (e.g. dataplane.fields.LP_SEED_FIELDS)"
             raise ValueError(msg)
-        part = self._part(meta.partition_id)
-        schema = self.schema(meta.partition_id)
+        snap = self._snapshot(self._part(meta.partition_id), meta.partition_id)
+        schema = snap.fields
         unknown = [f for f in select_fields if f not in schema]
         if unknown:
             msg = f"fields {unknown} are not registered in partition {meta.partition_id!r}; registered: {sorted(schema)}"
             raise DataPlaneError(msg)
-        discarded = self._discarded(part) & set(meta.sample_ids)
+        discarded = snap.discarded & set(meta.sample_ids)
         if discarded:
             msg = f"partition {meta.partition_id!r}: samples {sorted(discarded)[:5]} were discarded ({len(discarded)} in all)"
             raise DataPlaneError(msg)
-        commits = list(reversed(self._commits(part)))  # newest first: a later write of a field wins
+        commits = list(reversed(snap.commits))  # newest first: a later write of a field wins
         wanted = pa.array(meta.sample_ids, type=pa.large_string())
         tables: dict[str, pa.Table] = {}
         columns: dict[str, Any] = {}
@@ -302,7 +328,7 @@ class DataPlane:
             for c in sources:
                 if c["file"] not in tables:
                     cols = [SAMPLE_ID, *[f for f in select_fields if f in c["fields"]]]
-                    with self.fs.open(paths.join(part, c["file"]), "rb") as fh:
+                    with self.fs.open(paths.join(snap.part, c["file"]), "rb") as fh:
                         tables[c["file"]] = pq.read_table(fh, columns=cols)
                 pieces.append(tables[c["file"]].select([SAMPLE_ID, name]))
             merged = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
@@ -325,6 +351,33 @@ class DataPlane:
         return materialize(columns, layout=layout, pad_value_dict=pad_value_dict, pad_to_seqlen=pad_to_seqlen)
 
 
+@dataclasses.dataclass
+class _Snapshot:
+    """One read's view of a partition (folder ``part``): registered fields, commit records (oldest first),
+    discarded sample ids."""
+
+    part: str
+    fields: dict[str, str] = dataclasses.field(default_factory=dict)
+    commits: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    discarded: set[str] = dataclasses.field(default_factory=set)
+
+
+def _parquet_options(schema: pa.Schema) -> dict[str, Any]:
+    """Write options: lz4 pages; floats BYTE_STREAM_SPLIT (their exponent bytes then compress), integers
+    DELTA_BINARY_PACKED (token ids take ~17 bits, not 64). Both are standard Parquet encodings that pyarrow,
+    DuckDB and polars read; unlike dictionary encoding, they do not give up on large vocabularies."""
+    encoding = {}
+    for f in schema:
+        value_type, path = f.type, f.name
+        if pa.types.is_large_list(value_type) or pa.types.is_list(value_type):
+            value_type, path = value_type.value_type, f"{f.name}.list.element"
+        if pa.types.is_float32(value_type) or pa.types.is_float64(value_type):
+            encoding[path] = "BYTE_STREAM_SPLIT"
+        elif pa.types.is_integer(value_type):
+            encoding[path] = "DELTA_BINARY_PACKED"
+    return {"compression": "lz4", "use_dictionary": False, "column_encoding": encoding}
+
+
 def _num_rows(columns: Mapping[str, Any]) -> int:
     if not columns:
         msg = "put needs at least one column"
@@ -333,8 +386,10 @@ def _num_rows(columns: Mapping[str, Any]) -> int:
     return int(first.size(0)) if isinstance(first, torch.Tensor) else len(first)
 
 
-def _check_column(meta: KVBatchMeta, schema: Mapping[str, str], name: str, value: Any, n: int) -> None:
-    """Raise ValueError before any write if ``value`` does not fit field ``name`` of the partition."""
+def _checked_column(
+    meta: KVBatchMeta, schema: Mapping[str, str], name: str, value: Any, n: int
+) -> tuple[pa.Field, pa.Array]:
+    """``value`` as an Arrow column of field ``name``; ValueError, before any write, if it does not fit the partition."""
     where = f"partition {meta.partition_id!r}, field {name!r}"
     if name == SAMPLE_ID or name not in schema:
         msg = f"{where}: not a registered field; register it with register_partition(fields=...) first"
@@ -343,7 +398,7 @@ def _check_column(meta: KVBatchMeta, schema: Mapping[str, str], name: str, value
     if rows != n:
         msg = f"{where}: {rows} rows for {n} sample ids; write one row per id"
         raise ValueError(msg)
-    f, _ = column_to_arrow(name, value[:0] if not isinstance(value, torch.Tensor) or not value.is_nested else value)
+    f, arr = column_to_arrow(name, value)  # zero-copy for numeric tensors: converted once, checked, written
     got = (f.metadata or {}).get(DTYPE_KEY, b"").decode()
     if got != schema[name]:
         msg = f"{where}: dtype {got} but the partition registered {schema[name]}; cast the column"
@@ -357,3 +412,4 @@ def _check_column(meta: KVBatchMeta, schema: Mapping[str, str], name: str, value
             bad = [i for i, (a, b) in enumerate(zip(lengths, meta.sequence_lengths)) if a != b]
             msg = f"{where}: row lengths differ from input_lengths at rows {bad[:5]}; per-token fields align with input_ids"
             raise ValueError(msg)
+    return f, arr

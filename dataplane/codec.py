@@ -127,10 +127,16 @@ def nested_to_arrow(nt: torch.Tensor) -> pa.LargeListArray:
     return pa.LargeListArray.from_arrays(pa.array(offsets.numpy(), type=pa.int64()), _values_to_arrow(values))
 
 
+def _one_array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A column as one Array: a single chunk as it is (``combine_chunks`` would copy it), more concatenated."""
+    if isinstance(arr, pa.ChunkedArray):
+        return arr.chunk(0) if arr.num_chunks == 1 else arr.combine_chunks()
+    return arr
+
+
 def nested_from_arrow(arr: pa.Array | pa.ChunkedArray, dtype: torch.dtype) -> torch.Tensor:
     """Arrow list column -> jagged nested tensor of ``dtype`` (zero-copy for numeric dtypes)."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
+    arr = _one_array(arr)
     if not pa.types.is_large_list(arr.type):
         arr = arr.cast(pa.large_list(arr.type.value_type))
     offsets = _tensor(arr.offsets.to_numpy())
@@ -185,9 +191,7 @@ def column_from_arrow(field: pa.Field, arr: pa.Array | pa.ChunkedArray) -> Any:
         raise TypeError(msg)
     if is_list:
         return nested_from_arrow(arr, dtype)
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    return _values_from_arrow(arr, dtype)
+    return _values_from_arrow(_one_array(arr), dtype)
 
 
 def pad_nested(nt: torch.Tensor, pad_value: float | int, pad_to_seqlen: int = 0) -> torch.Tensor:
@@ -202,11 +206,10 @@ def pad_nested(nt: torch.Tensor, pad_value: float | int, pad_to_seqlen: int = 0)
         msg = f"pad_to_seqlen={pad_to_seqlen} is shorter than the longest row ({longest}); raise it"
         raise ValueError(msg)
     width = max(pad_to_seqlen, longest)
-    values = nt.values()
-    out = torch.full((lengths.shape[0], width), pad_value, dtype=values.dtype)  # [N, S]
-    mask = torch.arange(width)[None, :] < lengths[:, None]  # [N, S]
-    out[mask] = values
-    return out
+    if not longest:  # no values at all (or no rows)
+        return torch.full((lengths.shape[0], width), pad_value, dtype=nt.dtype)  # [N, S]
+    # one pass per row in C++; 2.5-5x faster than a boolean-mask scatter (bench/dataplane.py)
+    return torch.nested.to_padded_tensor(nt, pad_value, output_size=(lengths.shape[0], width))  # [N, S]
 
 
 def materialize(
