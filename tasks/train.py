@@ -45,6 +45,7 @@ def train(
     out.update({f"train/{k}": v for k, v in info.items() if k.startswith(("advantages/", "baseline_reward/"))})
     out.update({k: v for k, v in info.items() if k.startswith("timing/")})
     out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get("timing/train/ref_lp", 0.0)
+    out["train/total_num_tokens"] = float(data[F.INPUT_LENGTHS].sum())
     out["timing/train/policy_training"] = trained - started
     out["timing/train/checkpointing"] = done - trained
     out["timing/train/total_step_time"] = time.time() - info["step_started_unix"]

@@ -19,6 +19,7 @@ STEP_METRICS = [
     "train/token_mult_prob_error",
     "train/advantages/mean",
     "train/generated_tokens_per_s",
+    "train/total_num_tokens",
     "timing/train/total_step_time",
     "timing/train/generation",
     "timing/train/policy_training",
