@@ -240,8 +240,19 @@ def side_trl(spec: dict) -> dict:
             self.times: list[float] = []
             self.logs: dict[int, dict] = {}
 
+            self.pre_optimizer = 0.0
+            self.until_optimizer: list[float] = []  # step begin -> after grad clip: generation, logprobs, fwd/bwd, clip
+            self.optimizer: list[float] = []  # optimizer.step
+
         def on_step_begin(self, args, state, control, **kwargs):
             self.started = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.pre_optimizer = time.perf_counter()
+            self.until_optimizer.append(self.pre_optimizer - self.started)
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self.optimizer.append(time.perf_counter() - self.pre_optimizer)
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.started)
@@ -267,7 +278,9 @@ def side_trl(spec: dict) -> dict:
         "step_time_s": timer.times,
         "reward": [float(x["reward"]) for x in logged],
         "generated_tokens": [float(x["completions/mean_length"]) * n for x in logged],
-        "trl_step_time_s": [float(x.get("step_time", float("nan"))) for x in logged],
+        "trl_step_time_s": [float(x.get("step_time", float("nan"))) for x in logged],  # TRL's own: training_step calls only
+        "until_optimizer_s": timer.until_optimizer,
+        "optimizer_s": timer.optimizer,
         "final_model": str(final),
         "trl_version": trl.__version__,
         "prompts_identical": prompts_identical,
@@ -367,6 +380,10 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return centre - half, centre + half
 
 
+def _med(values: list[float] | None) -> str:
+    return f"{statistics.median(values):.2f}" if values else "n/a"
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b and math.isfinite(a) and math.isfinite(b) else "n/a"
 
@@ -463,6 +480,10 @@ def report(spec: dict, ours: dict, trl_res: dict, ev: dict, command: str, total_
         "- extra work per step: ours keeps the sampling logits during generation (generation logprobs); TRL computes per-token "
         "entropy in its training forward. Reference logprobs: ours in batches of 16, TRL in micro-batches of "
         f"{spec['micro_batch']}; TRL shuffles the step's rows before splitting them into micro-batches (same gradient).",
+        "- TRL step split (medians): "
+        f"{_med(trl_res.get('until_optimizer_s'))} s from step begin to the optimizer step (generation, logprobs, forward/backward, "
+        f"grad clip), {_med(trl_res.get('optimizer_s'))} s in `optimizer.step`; TRL's own logged `step_time` (its `training_step` "
+        f"calls only) {_med(trl_res.get('trl_step_time_s'))} s.",
         "- generated tokens: both count the eos token of completions that end; TRL's come from its logged "
         "`completions/mean_length` x samples per step.",
     ]
