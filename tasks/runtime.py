@@ -96,7 +96,3 @@ def take_trainer(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> LiveSt
     state = LiveState(run.run_id, policy.step, model, optimizer, scheduler)
     _LIVE[run.run_id] = state
     return state
-
-
-def forget(run_id: str) -> None:
-    _LIVE.pop(run_id, None)
