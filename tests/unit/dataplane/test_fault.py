@@ -238,7 +238,8 @@ def test_sigkill_mid_write_leaves_partition_consistent(store, tmp_path, mode):
 
     # 1. the same client (which read the partition before these commits landed) sees every finished write
     done = {n: v for k in range(in_flight) for n, v in delta_columns(k).items()}
-    _check(dp.read(meta, list(done), layout="jagged"), done)
+    if done:  # timing mode can kill before the child announced write 1 (commit 0 landed): nothing to check yet
+        _check(dp.read(meta, list(done), layout="jagged"), done)
 
     # 2. every commit record names a data file that exists, is whole, and holds the fields it lists
     records = _commit_records(dp)
