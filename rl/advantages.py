@@ -67,11 +67,15 @@ def compute_advantages(
     group_size: int,
     leave_one_out: bool = True,
     normalize_rewards: bool = True,
+    advantage_clip: float | None = None,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``A_i = r_i - b_i``, divided by ``(s_i + eps)`` where ``s_i > 0`` when ``normalize_rewards``.
+    """``A_i = r_i - b_i``, divided by ``(s_i + eps)`` where ``s_i > 0`` when ``normalize_rewards``, then
+    clamped to ``[-advantage_clip, advantage_clip]`` when given.
 
-    Source: DeepSeekMath 2402.03300 (``(r - mean) / std``), NeMo-RL grpo.py (std > 0 guard, eps 1e-6).
+    Source: DeepSeekMath 2402.03300 (``(r - mean) / std``), NeMo-RL grpo.py (std > 0 guard, eps 1e-6);
+    the clamp bounds the step one rare outcome can take: with the group-mean baseline, one success among
+    G = 16 gets ``A = (1 - 1/16) / 0.25 = 3.75`` (Bessel std ``sqrt(16 * 1/16 * 15/16 / 15) = 0.25``).
 
     Args:
         rewards: [N] float, group-contiguous (N = B * G).
@@ -79,6 +83,7 @@ def compute_advantages(
         group_size: G.
         leave_one_out: see :func:`baseline_and_std`.
         normalize_rewards: divide by the std where it is positive.
+        advantage_clip: symmetric bound (> 0) on ``|A|`` after normalization; None: no clipping.
         eps: added to the std.
 
     Returns:
@@ -88,5 +93,7 @@ def compute_advantages(
     adv = rewards - baseline  # [N]
     if normalize_rewards:
         adv = torch.where(std > 0, adv / (std + eps), adv)
+    if advantage_clip is not None:
+        adv = adv.clamp(-advantage_clip, advantage_clip)
     adv = adv * sample_mask.to(adv.dtype)
     return adv, baseline, std

@@ -76,6 +76,8 @@ class GRPOSettings:
     """Baseline of a sample = mean reward of the other samples of its group."""
     normalize_rewards: bool = True
     """Divide advantages by the group's reward std where std > 0."""
+    advantage_clip: float | None = None
+    """Clamp advantages to [-advantage_clip, advantage_clip] after normalization (None: off)."""
     seed: int = 42
     """Seed of sampling and of the optimizer's randomness."""
     use_dynamic_sampling: bool = False
@@ -88,6 +90,8 @@ class GRPOSettings:
     def __post_init__(self) -> None:
         if self.dynamic_sampling_max_gen_batches < 1:
             _fail("grpo.dynamic_sampling_max_gen_batches", f"is {self.dynamic_sampling_max_gen_batches}", "use at least 1")
+        if self.advantage_clip is not None and self.advantage_clip <= 0:
+            _fail("grpo.advantage_clip", f"is {self.advantage_clip}", "use a positive bound (e.g. 3.0) or null to turn clipping off")
         if self.num_prompts_per_step < 1:
             _fail("grpo.num_prompts_per_step", f"is {self.num_prompts_per_step}", "use at least 1")
         if self.num_generations_per_prompt < 2:
@@ -138,6 +142,11 @@ class LossConfig:
     """Dual clip constant c > 1 for negative advantages (None: off)."""
     token_level_loss: bool = True
     """Average over all valid tokens of the batch (True) or per-sequence means over sequences (False)."""
+    use_importance_sampling_correction: bool = False
+    """Weight the policy-gradient term per token by exp(prev_logprobs - generation_logprobs), correcting for a
+    generation back-end whose distribution differs from the trainer's (vLLM, bf16, stale weights)."""
+    truncated_importance_sampling_ratio: float | None = None
+    """Upper bound of that weight (truncated importance sampling, e.g. 2.0); None: untruncated."""
     seq_logprob_error_threshold: float | None = None
     """Mask sequences whose mean exp(|generation - prev| logprob) exceeds this (e.g. 2.0); None: off."""
 
@@ -152,6 +161,11 @@ class LossConfig:
                 _fail(f"loss.{name}", f"is {value}", "use a value in [0, 1), e.g. 0.2")
         if self.seq_logprob_error_threshold is not None and self.seq_logprob_error_threshold < 1:
             _fail("loss.seq_logprob_error_threshold", f"is {self.seq_logprob_error_threshold}", "use a value >= 1 (1 = exact agreement) or null")
+        if self.truncated_importance_sampling_ratio is not None:
+            if self.truncated_importance_sampling_ratio <= 0:
+                _fail("loss.truncated_importance_sampling_ratio", f"is {self.truncated_importance_sampling_ratio}", "use a positive bound (e.g. 2.0) or null")
+            if not self.use_importance_sampling_correction:
+                _fail("loss.truncated_importance_sampling_ratio", "is set but use_importance_sampling_correction is false", "set use_importance_sampling_correction: true or drop the ratio")
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
             _fail("loss.ratio_clip_c", f"is {self.ratio_clip_c}", "use a value > 1 (e.g. 3) or null to turn dual clip off")
 
@@ -252,7 +266,8 @@ class GRPOConfig:
     @property
     def on_policy(self) -> bool:
         """True when each step makes exactly one optimizer update, so pi_old is the policy being trained and
-        no separate ``prev_logprobs`` forward is needed (unless the logprob-error mask asks for it)."""
+        no separate ``prev_logprobs`` forward is needed (unless the logprob-error mask asks for it). The
+        importance-sampling correction then uses the detached training forward as pi_old, which it is."""
         return self.global_batch_size == self.samples_per_step and self.loss.seq_logprob_error_threshold is None
 
     @property

@@ -84,11 +84,16 @@ def clipped_pg_loss(
     token_level_loss: bool,
     global_valid_toks: float,
     global_valid_seqs: float,
+    use_importance_sampling_correction: bool = False,
+    truncated_importance_sampling_ratio: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of a micro-batch, normalized by global counts so micro-batch losses sum to the batch loss.
 
     Per token: ``r = exp(curr - prev)``; ``L_pg = max(-A r, -A clip(r, 1-eps_min, 1+eps_max))``; with dual
-    clip, ``L_pg = min(L_pg, -A c)`` where ``A < 0``; ``L_kl = beta * k(curr, ref)``.
+    clip, ``L_pg = min(L_pg, -A c)`` where ``A < 0``; ``L_kl = beta * k(curr, ref)``. With the importance-sampling
+    correction, ``L_pg`` is weighted per token by ``w = exp(prev - gen)`` (detached; non-finite -> 0), truncated
+    to ``w <= truncated_importance_sampling_ratio`` when given (TIS, fengyao.notion.site/off-policy-rl): the
+    samples came from the generation back-end's distribution, not exactly pi_old's (NeMo-RL ClippedPGLossFn).
     Token-level: ``sum_{valid t} (L_pg + L_kl) / global_valid_toks``. Sequence-level: per-sequence mean over
     its valid tokens, summed over sequences, ``/ global_valid_seqs``.
 
@@ -101,11 +106,13 @@ def clipped_pg_loss(
         token_level_loss: aggregation (see above).
         global_valid_toks: valid response tokens in the whole global batch (> 0).
         global_valid_seqs: valid samples in the whole global batch (> 0).
+        use_importance_sampling_correction: weight ``L_pg`` by ``exp(prev - gen)`` per token.
+        truncated_importance_sampling_ratio: upper bound of that weight, or None.
 
     Returns:
         ``(loss, sums)``: scalar loss (with grad) and detached per-micro-batch *sums* over valid tokens
         (``probs_ratio``, ``probs_ratio_clamped``, ``kl_penalty``, ``token_mult_prob_error``,
-        ``approx_entropy``, ``pg_loss``, ``valid_toks``) for exact aggregation across micro-batches.
+        ``approx_entropy``, ``pg_loss``, ``importance_sampling_weight``, ``valid_toks``) for exact aggregation across micro-batches.
     """
     mask = loss_mask(batch.token_mask, batch.sample_mask)  # [M, S-1]
     curr = batch.logprobs[:, 1:]  # [M, S-1]
@@ -119,6 +126,13 @@ def clipped_pg_loss(
     pg = torch.maximum(-adv * ratio, -adv * ratio_clamped)  # [M, S-1]
     if ratio_clip_c is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * ratio_clip_c), pg)
+    if use_importance_sampling_correction:
+        weight = torch.nan_to_num(torch.exp(prev - gen).detach(), nan=0.0, posinf=0.0, neginf=0.0)  # [M, S-1]
+        if truncated_importance_sampling_ratio is not None:
+            weight = weight.clamp(max=truncated_importance_sampling_ratio)
+        pg = pg * weight
+    else:
+        weight = torch.ones_like(pg)  # [M, S-1]
     kl = kl_penalty(curr, ref, reference_policy_kl_type)  # [M, S-1]
     per_token = pg + reference_policy_kl_penalty * kl  # [M, S-1]
 
@@ -136,6 +150,7 @@ def clipped_pg_loss(
             "kl_penalty": (kl * mask).sum(),
             "token_mult_prob_error": (torch.exp((gen - prev).abs()) * mask).sum(),
             "approx_entropy": (-curr * mask).sum(),
+            "importance_sampling_weight": (weight * mask).sum(),
             "valid_toks": mask.sum(),
         }
     return loss, sums

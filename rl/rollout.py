@@ -103,9 +103,8 @@ def sample_step(model: torch.nn.Module, tokenizer: Any, cfg: GRPOConfig, *, step
         seen_rewards += batch.rewards
         mask = _sample_mask(batch, cfg)
         if dynamic:
-            good = informative_groups(torch.tensor(batch.rewards), mask, group_size=g).tolist()
-            discarded += sum(int(mask.view(-1, g)[j].sum()) for j, ok in enumerate(good) if not ok)
-            batch = batch.take([j for j, ok in enumerate(good) if ok], g)
+            batch, dropped = keep_informative(batch, mask, group_size=g)
+            discarded += dropped
         kept.extend(batch)
         if len(kept.problems) >= b:
             break
@@ -131,6 +130,23 @@ def sample_step(model: torch.nn.Module, tokenizer: Any, cfg: GRPOConfig, *, step
         "generated_tokens_per_s": generated / max(gen_s, 1e-9),
     }
     return kept, _sample_mask(kept, cfg), metrics
+
+
+def keep_informative(groups: Groups, sample_mask: torch.Tensor, *, group_size: int) -> tuple[Groups, int]:
+    """DAPO dynamic sampling: keep whole groups whose valid rewards differ, in order.
+
+    ``[1, 0, 0, 0]`` keeps all four samples (NeMo-RL's row-wise filter keeps only the three wrong ones).
+
+    Args:
+        groups: B groups of ``group_size`` completions.
+        sample_mask: [B * group_size] bool.
+
+    Returns:
+        ``(kept groups, number of valid samples discarded)``.
+    """
+    good = informative_groups(torch.tensor(groups.rewards), sample_mask, group_size=group_size).tolist()
+    discarded = sum(int(sample_mask.view(-1, group_size)[j].sum()) for j, ok in enumerate(good) if not ok)
+    return groups.take([j for j, ok in enumerate(good) if ok], group_size), discarded
 
 
 def _sample_mask(groups: Groups, cfg: GRPOConfig) -> torch.Tensor:

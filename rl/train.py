@@ -57,6 +57,8 @@ def _micro_batch_loss(
         token_level_loss=cfg.loss.token_level_loss,
         global_valid_toks=global_toks,
         global_valid_seqs=global_seqs,
+        use_importance_sampling_correction=cfg.loss.use_importance_sampling_correction,
+        truncated_importance_sampling_ratio=cfg.loss.truncated_importance_sampling_ratio,
     )
     errors = seq_mult_prob_error(cut["generation_logprobs"], prev, cut["token_mask"])  # [m]
     return loss, sums, errors[cut["sample_mask"].bool()]

@@ -30,6 +30,7 @@ def advantages(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
         group_size=cfg.grpo.num_generations_per_prompt,
         leave_one_out=cfg.grpo.use_leave_one_out_baseline,
         normalize_rewards=cfg.grpo.normalize_rewards,
+        advantage_clip=cfg.grpo.advantage_clip,
     )  # [N] each
     lengths = cols[F.INPUT_LENGTHS]  # [N]
     per_token = nested_from_values(torch.repeat_interleave(adv, lengths), lengths)  # [N, L_i]

@@ -10,19 +10,20 @@ import torch
 
 from tests.helpers import metric_steps, small_config
 
+# the reference's metric list (NeMo-RL grpo.py, see the digest), logged at every step
 STEP_METRICS = [
-    "train/loss",
-    "train/reward",
-    "train/kl_penalty",
-    "train/grad_norm",
-    "train/probs_ratio",
-    "train/token_mult_prob_error",
-    "train/advantages/mean",
-    "train/generated_tokens_per_s",
-    "train/total_num_tokens",
-    "timing/train/total_step_time",
-    "timing/train/generation",
-    "timing/train/policy_training",
+    *(f"train/{k}" for k in (
+        "loss", "grad_norm", "reward", "filtered_reward", "mean_prompt_length", "total_num_tokens",
+        "advantages/mean", "advantages/max", "advantages/min",
+        "baseline_reward/pct_0", "baseline_reward/pct_1", "baseline_reward/pct_mixed",
+        "dynamic_sampling_num_gen_batches", "dynamic_sampling_num_discarded_valid_samples",
+        "probs_ratio", "probs_ratio_clamped", "kl_penalty", "token_mult_prob_error", "approx_entropy", "lr",
+        "global_valid_toks", "generated_tokens_per_s",
+    )),
+    *(f"timing/train/{k}" for k in (
+        "total_step_time", "generation", "policy_and_reference_logprobs", "advantage_calculation",
+        "policy_training", "checkpointing",
+    )),
 ]
 
 
@@ -40,6 +41,7 @@ def test_two_steps_through_local_executor(tmp_path, tiny_model_dir):
     for key in STEP_METRICS:
         assert metric_steps(uri, summary.mlflow_run_id, key) == [1, 2], key
     assert metric_steps(uri, summary.mlflow_run_id, "validation/accuracy") == [2]
+    assert metric_steps(uri, summary.mlflow_run_id, "validation/avg_length") == [2]
     assert math.isfinite(summary.metrics["train/loss"])
     assert summary.metrics["train/grad_norm"] > 0
 

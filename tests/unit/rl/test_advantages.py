@@ -8,7 +8,7 @@ import torch
 from rl.advantages import baseline_and_std, compute_advantages
 
 
-def _loop_reference(rewards, mask, g, loo, normalize, eps=1e-6):
+def _loop_reference(rewards, mask, g, loo, normalize, clip=None, eps=1e-6):
     """Plain-loop reference of the same definitions (one sample at a time)."""
     adv = []
     for i in range(len(rewards)):
@@ -23,6 +23,8 @@ def _loop_reference(rewards, mask, g, loo, normalize, eps=1e-6):
         a = rewards[i] - b
         if normalize and s > 0:
             a = a / (s + eps)
+        if clip is not None:
+            a = min(max(a, -clip), clip)
         adv.append(a if mask[i] else 0.0)
     return adv
 
@@ -65,13 +67,16 @@ def test_group_with_one_valid_sample_gets_zero():
 
 @pytest.mark.parametrize("loo", [True, False])
 @pytest.mark.parametrize("normalize", [True, False])
-def test_vectorized_matches_loop(loo, normalize):
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_vectorized_matches_loop(loo, normalize, clip):
     gen = torch.Generator().manual_seed(3)
     g = 5
     rewards = torch.rand(40, generator=gen, dtype=torch.float64).round(decimals=1)
     mask = torch.rand(40, generator=gen) > 0.2
-    adv, _, _ = compute_advantages(rewards, mask, group_size=g, leave_one_out=loo, normalize_rewards=normalize)
-    ref = _loop_reference(rewards.tolist(), mask.tolist(), g, loo, normalize)
+    adv, _, _ = compute_advantages(rewards, mask, group_size=g, leave_one_out=loo, normalize_rewards=normalize, advantage_clip=clip)
+    ref = _loop_reference(rewards.tolist(), mask.tolist(), g, loo, normalize, clip)
+    if clip is not None:
+        assert adv.abs().max() == pytest.approx(clip)  # the clip binds on this data
     assert adv.tolist() == pytest.approx(ref, abs=1e-9)
 
 
@@ -84,3 +89,16 @@ def test_mean_baseline_advantages_sum_to_zero_per_group():
 def test_shape_errors():
     with pytest.raises(ValueError, match="G=3"):
         baseline_and_std(torch.zeros(8), torch.ones(8), group_size=3)
+
+
+def test_advantage_clip_hand_computed():
+    # group-mean baseline, 1 success among 16: mean 1/16, Bessel std sqrt(16 * (1/16) * (15/16) / 15) = 0.25
+    #   success: (1 - 1/16) / 0.25 = 3.75 -> clipped to 2.0;  failures: (0 - 1/16) / 0.25 = -0.25 (inside)
+    rewards = torch.zeros(16, dtype=torch.float64)
+    rewards[0] = 1.0
+    mask = torch.ones(16, dtype=torch.bool)
+    free, _, _ = compute_advantages(rewards, mask, group_size=16, leave_one_out=False, eps=0.0)
+    clipped, _, _ = compute_advantages(rewards, mask, group_size=16, leave_one_out=False, advantage_clip=2.0, eps=0.0)
+    assert free[0].item() == pytest.approx(3.75)
+    assert clipped[0].item() == pytest.approx(2.0)
+    assert clipped[1:].tolist() == pytest.approx([-0.25] * 15)

@@ -34,3 +34,25 @@ def test_seq_mult_prob_error_hand_computed():
     prev = torch.tensor([[5.0, -1.0, -1.0 - math.log(2.0), 0.0]])
     mask = torch.tensor([[False, True, True, False]])
     assert seq_mult_prob_error(gen, prev, mask).tolist() == [1.5]
+
+
+def test_dynamic_sampling_keeps_one_correct_of_four_whole():
+    # groups [1, 0, 0, 0] (informative) and [0, 0, 0, 0] (no signal): the first is kept with all four samples
+    from rl.data import Problem
+    from rl.rollout import Groups, keep_informative
+
+    groups = Groups(
+        problems=[Problem("q0", "1", {}), Problem("q1", "2", {})],
+        input_ids=[torch.tensor([i]) for i in range(8)],
+        generation_logprobs=[torch.zeros(1)] * 8,
+        token_mask=[torch.ones(1, dtype=torch.bool)] * 8,
+        responses=[f"r{i}" for i in range(8)],
+        rewards=[1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        truncated=[False] * 8,
+        prompt_lengths=[1] * 8,
+        response_lengths=[1] * 8,
+    )
+    kept, discarded = keep_informative(groups, torch.ones(8, dtype=torch.bool), group_size=4)
+    assert [p.question for p in kept.problems] == ["q0"]
+    assert kept.responses == ["r0", "r1", "r2", "r3"] and kept.rewards == [1.0, 0.0, 0.0, 0.0]
+    assert discarded == 4

@@ -119,3 +119,87 @@ def test_masked_sample_contributes_nothing():
     b = _batch([[0.0, -1.0], [0.0, -1.0]], [[0.0, -1.0], [0.0, -1.0]], [[0.0, 1.0], [0.0, 100.0]], sample_mask=[True, False])
     loss, _ = clipped_pg_loss(b, **DEFAULTS, global_valid_toks=1, global_valid_seqs=1)
     assert loss.item() == pytest.approx(-1.0)
+
+
+def test_importance_sampling_correction_hand_computed():
+    # A = +1, curr = prev = -1.0 (ratio 1); generation logprob gen = -1.5:
+    #   w = exp(prev - gen) = exp(0.5) = 1.64872 -> L_pg = -1 * 1 * 1.64872
+    #   truncated at 1.2: L_pg = -1.2;  without the correction: -1.0
+    b = LossInputs(
+        logprobs=torch.tensor([[0.0, -1.0]], dtype=torch.float64),
+        prev_logprobs=torch.tensor([[0.0, -1.0]], dtype=torch.float64),
+        reference_policy_logprobs=torch.tensor([[0.0, -1.0]], dtype=torch.float64),
+        generation_logprobs=torch.tensor([[0.0, -1.5]], dtype=torch.float64),
+        advantages=torch.tensor([[0.0, 1.0]], dtype=torch.float64),
+        token_mask=torch.tensor([[False, True]]),
+        sample_mask=torch.tensor([True]),
+    )
+    counts = dict(global_valid_toks=1, global_valid_seqs=1)
+    plain, _ = clipped_pg_loss(b, **DEFAULTS, **counts)
+    full, sums = clipped_pg_loss(b, **DEFAULTS, **counts, use_importance_sampling_correction=True)
+    tis, _ = clipped_pg_loss(b, **DEFAULTS, **counts, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.2)
+    assert plain.item() == pytest.approx(-1.0)
+    assert full.item() == pytest.approx(-math.exp(0.5))
+    assert sums["importance_sampling_weight"].item() == pytest.approx(math.exp(0.5))
+    assert tis.item() == pytest.approx(-1.2)
+
+
+def test_importance_weight_of_an_impossible_generation_token_is_zero():
+    # gen = -inf (the back-end reported an impossible token): exp(prev - gen) = inf -> weight 0, loss stays finite
+    b = _batch([[0.0, -1.0]], [[0.0, -1.0]], [[0.0, 1.0]])
+    b = LossInputs(**{**b.__dict__, "generation_logprobs": torch.tensor([[0.0, -math.inf]], dtype=torch.float64)})
+    loss, _ = clipped_pg_loss(b, **DEFAULTS, global_valid_toks=1, global_valid_seqs=1, use_importance_sampling_correction=True)
+    assert loss.item() == 0.0
+
+
+def _loss_loop_reference(b: LossInputs, *, clip_min, clip_max, c, beta, kl_type, token_level, is_corr, tis, toks, seqs):
+    """Plain-loop reference of the GRPO loss, one token at a time with Python floats."""
+    total = 0.0
+    for i in range(b.logprobs.shape[0]):
+        if not b.sample_mask[i]:
+            continue
+        seq_sum, seq_n = 0.0, 0
+        for t in range(1, b.logprobs.shape[1]):
+            if not b.token_mask[i, t]:
+                continue
+            curr, prev = float(b.logprobs[i, t]), float(b.prev_logprobs[i, t])
+            ref, gen, a = float(b.reference_policy_logprobs[i, t]), float(b.generation_logprobs[i, t]), float(b.advantages[i, t])
+            r = math.exp(curr - prev)
+            pg = max(-a * r, -a * min(max(r, 1 - clip_min), 1 + clip_max))
+            if c is not None and a < 0:
+                pg = min(pg, -a * c)
+            if is_corr:
+                w = math.exp(prev - gen)
+                pg *= min(w, tis) if tis is not None else w
+            logr = min(max(ref - curr, -20.0), 20.0)
+            kl = {"k1": -logr, "k2": logr * logr / 2, "k3": math.exp(logr) - 1 - logr}[kl_type]
+            seq_sum += pg + beta * min(max(kl, -10.0), 10.0)
+            seq_n += 1
+        total += seq_sum if token_level else seq_sum / max(seq_n, 1)
+    return total / (toks if token_level else seqs)
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("token_level", [True, False])
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_vectorized_loss_matches_loop(kl_type, token_level, off_policy):
+    g = torch.Generator().manual_seed(11)
+    n, s = 6, 9
+    curr = -torch.rand(n, s, generator=g, dtype=torch.float64) * 3
+    prev = curr + 0.4 * torch.randn(n, s, generator=g, dtype=torch.float64)  # ratios in and out of the clip range
+    b = LossInputs(
+        logprobs=curr,
+        prev_logprobs=prev,
+        reference_policy_logprobs=curr + 0.5 * torch.randn(n, s, generator=g, dtype=torch.float64),
+        generation_logprobs=prev + 0.3 * torch.randn(n, s, generator=g, dtype=torch.float64),
+        advantages=torch.randn(n, 1, generator=g, dtype=torch.float64).expand(n, s).clone(),
+        token_mask=torch.rand(n, s, generator=g) > 0.3,
+        sample_mask=torch.tensor([True, True, False, True, True, True]),
+    )
+    args = dict(ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=3.0, reference_policy_kl_penalty=0.05,
+                reference_policy_kl_type=kl_type, token_level_loss=token_level, global_valid_toks=17.0, global_valid_seqs=5.0)
+    tis = 1.5 if off_policy else None
+    loss, _ = clipped_pg_loss(b, **args, use_importance_sampling_correction=off_policy, truncated_importance_sampling_ratio=tis)
+    ref = _loss_loop_reference(b, clip_min=0.2, clip_max=0.28, c=3.0, beta=0.05, kl_type=kl_type, token_level=token_level,
+                               is_corr=off_policy, tis=tis, toks=17.0, seqs=5.0)
+    assert loss.item() == pytest.approx(ref, abs=1e-12)
