@@ -136,9 +136,14 @@ class DataPlane:
         *,
         group_size: int = 1,
         task_name: str | None = None,
+        id_key: str | None = None,
     ) -> KVBatchMeta:
         """First put: mint sample ids ``f"{uid}_g{i}"`` (one uid per group of ``group_size`` consecutive
         rows) and write ``columns`` under them.
+
+        With ``id_key``, uid ``b`` is a hash of (partition, ``id_key``, ``b``): a retried task that puts the
+        same rows again mints the same ids, so its write replaces the failed attempt's instead of adding
+        rows beside it. Without it, uids are random (two puts never collide).
 
         Args:
             partition_id: a registered partition.
@@ -146,6 +151,7 @@ class DataPlane:
                 list[dict]. Every column has N rows; N is a multiple of ``group_size``.
             group_size: rows per prompt (G); rows are group-contiguous.
             task_name: tag carried by the returned meta.
+            id_key: makes the ids deterministic (see above); unique per put within a partition.
 
         Returns:
             a meta naming the new rows, with ``fields`` and, if ``input_lengths`` was written,
@@ -158,7 +164,10 @@ class DataPlane:
         if group_size < 1 or n % group_size:
             msg = f"put of {n} rows with group_size={group_size}: rows must come in whole groups"
             raise ValueError(msg)
-        uids = [uuid.uuid4().hex for _ in range(n // group_size)]
+        if id_key is None:
+            uids = [uuid.uuid4().hex for _ in range(n // group_size)]
+        else:
+            uids = [hashlib.sha256(f"{partition_id}\0{id_key}\0{b}".encode()).hexdigest()[:32] for b in range(n // group_size)]
         sample_ids = [f"{u}_g{i}" for u in uids for i in range(group_size)]
         lengths = columns.get("input_lengths")
         meta = KVBatchMeta(
@@ -214,6 +223,7 @@ class DataPlane:
             "created_unix_ns": time.time_ns(),
         }
         self._put_atomic(paths.commit_path(part, write_id), json.dumps(record).encode())
+        self._drop_superseded(part, write_id, keep=data)
         written = list(dict.fromkeys([*(meta.fields or []), *columns]))
         return KVBatchMeta(
             partition_id=meta.partition_id,
@@ -224,6 +234,13 @@ class DataPlane:
             extra_info=dict(meta.extra_info),
             tags=meta.tags,
         )
+
+    def _drop_superseded(self, part: str, write_id: str, *, keep: str) -> None:
+        """Delete data files of earlier attempts of ``write_id`` (committed or not): after a retried write the
+        partition holds the same objects as after a clean one."""
+        stale = [p for p in self.fs.glob(paths.join(part, "data", f"{write_id}-*.parquet")) if p.rstrip("/") != keep.rstrip("/")]
+        if stale:
+            self.fs.rm(stale)
 
     def discard(self, partition_id: str, sample_ids: Sequence[str]) -> None:
         """Drop samples mid-step (dynamic sampling): later reads naming them raise DataPlaneError."""

@@ -163,8 +163,11 @@ def list_complete(url: str, storage_options: dict[str, Any] | None = None) -> li
     return sorted(out)
 
 
-def prune(url: str, keep_last_k: int, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete all but the newest ``keep_last_k`` complete checkpoints under ``url``."""
+def prune(url: str, keep_last_k: int, storage_options: dict[str, Any] | None = None, *, keep: str | None = None) -> None:
+    """Delete all but the newest ``keep_last_k`` complete checkpoints under ``url``, and never ``keep`` (the
+    checkpoint the running step started from: a retry of that step must be able to load it again)."""
     fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    for _, old in list_complete(url, storage_options)[:-keep_last_k]:
-        fs.rm(fsspec.core.url_to_fs(old, **(storage_options or {}))[1], recursive=True)
+    complete = list_complete(url, storage_options)
+    for _, old in complete[: max(len(complete) - keep_last_k, 0)]:
+        if keep is None or old.rstrip("/") != keep.rstrip("/"):
+            fs.rm(fsspec.core.url_to_fs(old, **(storage_options or {}))[1], recursive=True)

@@ -8,10 +8,12 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.retry import transient_errors_retried
 from tasks.types import RunInfo
 
 
 @task(retries=2)
+@transient_errors_retried
 def advantages(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
     """Compute per-sample advantages and write them per token (the sample's A on every token)."""
     import torch

@@ -8,6 +8,7 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
@@ -36,6 +37,7 @@ def _write_logprobs(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta, model, fie
 
 
 @task(retries=2)
+@transient_errors_retried
 def policy_logprobs(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta) -> KVBatchMeta:
     """Write ``prev_logprobs``: log pi_old of every token under the policy that generated the step.
 
@@ -52,6 +54,7 @@ def policy_logprobs(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: 
 
 
 @task(retries=2)
+@transient_errors_retried
 def reference_logprobs(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
     """Write ``reference_policy_logprobs``: log pi_ref of every token under the base model."""
     from dataplane import fields as F

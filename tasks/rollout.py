@@ -8,30 +8,31 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
 @task(retries=2)
+@transient_errors_retried
 def rollout(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int) -> KVBatchMeta:
     """Write the step partition's bulk columns (``ROLLOUT_FIELDS``) for the B groups of ``step`` (after dynamic
     sampling and overlong filtering when they are on)."""
-    import torch
-
     from dataplane import paths
     from rl.rollout import STEP_SCHEMA, sample_step, to_columns
+    from rl.seeding import seed_all, step_seed
     from tasks import runtime
 
     started = time.time()
     runtime.set_threads()
     g = cfg.grpo.num_generations_per_prompt
-    torch.manual_seed(cfg.grpo.seed * 1_000_003 + step)
+    seed_all(step_seed(cfg.grpo.seed, step, "rollout"))
     model = runtime.peek_policy(cfg, run, policy)
     groups, sample_mask, metrics = sample_step(model, runtime.tokenizer(run.model_path), cfg, step=step)
     columns = to_columns(groups, sample_mask, group_size=g, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
     partition = paths.step_partition(step)
     dp.register_partition(partition, fields=STEP_SCHEMA, consumers=["prev_lp", "ref_lp", "train"])
-    meta = dp.put(partition, columns, group_size=g, task_name="rollout")
+    meta = dp.put(partition, columns, group_size=g, task_name="rollout", id_key="rollout")
     info = {f"rollout/{k}": v for k, v in metrics.items()}
     info["step_started_unix"] = started
     info["timing/train/generation"] = time.time() - started

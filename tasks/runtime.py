@@ -69,6 +69,11 @@ def peek_policy(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Any:
     return load_model(local_copy(policy.path, cfg.dataplane.storage_options))
 
 
+def discard_trainer(run: RunInfo) -> None:
+    """Forget this process's trainer state of ``run`` (after a failed update it may be half-way)."""
+    _LIVE.pop(run.run_id, None)
+
+
 def take_trainer(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> LiveState:
     """The trainer state at ``policy`` (model, optimizer, scheduler): live, fresh at step 0, or a checkpoint.
 

@@ -8,10 +8,12 @@ import uuid
 from flytekit import current_context, task
 
 from rl.config import GRPOConfig
+from tasks.retry import transient_errors_retried
 from tasks.types import RunInfo
 
 
 @task(retries=2)
+@transient_errors_retried
 def start_run(cfg: GRPOConfig) -> RunInfo:
     """Resolve (and convert once) the model, validate the dataset, create the MLflow run with the
     flattened config as params, and return the run's handle."""
@@ -26,8 +28,10 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
         val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
     if cfg.checkpointing.resume_run_id:
         return _resume(cfg, cfg.checkpointing.resume_run_id, model_path)
-    run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     execution = current_context().execution_id
+    local = execution.name == "local"  # every local execution has this id; a remote one is unique
+    # a retried start_run of a remote execution finds the MLflow run and run id of its first attempt
+    run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}" if local else f"run-{execution.name}"
     tags = {
         "grpoflow.run_id": run_id,
         "flyte.execution_id": f"{execution.project}/{execution.domain}/{execution.name}",
@@ -38,7 +42,8 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     params = cfg.flat_params()
     params["model.resolved_path"] = model_path
     mlflow_run_id = tracking.start_run(
-        uri=cfg.tracking.uri, experiment_name=cfg.tracking.experiment_name, run_name=cfg.tracking.run_name, params=params, tags=tags
+        uri=cfg.tracking.uri, experiment_name=cfg.tracking.experiment_name, run_name=cfg.tracking.run_name, params=params, tags=tags,
+        reuse_tag=None if local else "flyte.execution_id",
     )
     print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {model_path}", flush=True)
     return RunInfo(run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path)

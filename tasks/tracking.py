@@ -20,8 +20,14 @@ def client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def start_run(*, uri: str, experiment_name: str, run_name: str | None, params: dict[str, str], tags: dict[str, str]) -> str:
-    """Create the run (and the experiment if needed); return its id."""
+def start_run(
+    *, uri: str, experiment_name: str, run_name: str | None, params: dict[str, str], tags: dict[str, str], reuse_tag: str | None = None
+) -> str:
+    """Create the run (and the experiment if needed); return its id.
+
+    With ``reuse_tag``, a run of the experiment whose tag ``reuse_tag`` already has the value in ``tags`` (made
+    by an earlier attempt of the same task, e.g. the same Flyte execution) is returned instead of a new one.
+    """
     c = client(uri)
     exp = c.get_experiment_by_name(experiment_name)
     if exp is None:
@@ -31,6 +37,11 @@ def start_run(*, uri: str, experiment_name: str, run_name: str | None, params: d
         exp_id = c.create_experiment(experiment_name, artifact_location=artifact_location)
     else:
         exp_id = exp.experiment_id
+    if reuse_tag is not None:
+        value = tags[reuse_tag].replace("'", "")
+        found = c.search_runs([exp_id], filter_string=f"tags.`{reuse_tag}` = '{value}'", max_results=1)
+        if found:
+            return found[0].info.run_id
     run = c.create_run(exp_id, run_name=run_name, tags=tags)
     from mlflow.entities import Param
 

@@ -9,10 +9,12 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
 @task(retries=2)
+@transient_errors_retried
 def train(
     cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, batch: KVBatchMeta, prev: KVBatchMeta, ref: KVBatchMeta
 ) -> PolicyVersion:
@@ -20,6 +22,7 @@ def train(
     logprob deltas and timings) and return the policy after this step."""
     from dataplane import fields as F
     from dataplane import paths
+    from rl.seeding import seed_all, step_seed
     from rl.train import train_on_batch
     from tasks import runtime, saving, tracking
 
@@ -32,12 +35,18 @@ def train(
     wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
     data = dp.read(meta, wanted, pad_value_dict={F.INPUT_IDS: tok.pad_token_id})
     state = runtime.take_trainer(cfg, run, policy)
-    metrics = train_on_batch(state.model, state.optimizer, state.scheduler, data, cfg)
-    state.step = step
-    trained = time.time()
-    new_policy = saving.save_policy(cfg, run, state, tok)
-    done = time.time()
-    dp.clear(paths.step_partition(step))
+    seed_all(step_seed(cfg.grpo.seed, step, "train"))  # the checkpoint's RNG state is a function of the step
+    try:
+        metrics = train_on_batch(state.model, state.optimizer, state.scheduler, data, cfg)
+        state.step = step
+        trained = time.time()
+        new_policy = saving.save_policy(cfg, run, state, tok, started_from=policy)
+        done = time.time()
+        dp.clear(paths.step_partition(step))
+    except BaseException:
+        # the in-memory trainer may have moved past ``policy``: a retry must reload it from storage
+        runtime.discard_trainer(run)
+        raise
 
     info = meta.extra_info
     out = {f"train/{k}": v for k, v in metrics.items()}

@@ -7,10 +7,12 @@ import time
 from flytekit import task
 
 from rl.config import GRPOConfig
+from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
 @task(retries=2)
+@transient_errors_retried
 def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     """Accuracy (share of reward 1) of the policy at ``policy.step`` on ``data.num_val_problems`` questions
     of the validation split; logs ``validation/accuracy``, ``validation/avg_length`` and a sample table."""
@@ -34,7 +36,7 @@ def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     dp = runtime.dataplane(cfg, run)
     partition = paths.val_partition(policy.step)
     dp.register_partition(partition, fields=ROLLOUT_DTYPES, consumers=["validation"])
-    meta = dp.put(partition, columns, group_size=1, task_name="validation")
+    meta = dp.put(partition, columns, group_size=1, task_name="validation", id_key="validation")
     rows = dp.read(meta, [F.PROMPT_TEXT, F.RESPONSE_TEXT, F.ANSWER_TEXT, F.REWARDS, F.TOKEN_MASK], layout="jagged")
     dp.clear(partition)
     correct = (rows[F.REWARDS] >= 1.0).float()  # [N]

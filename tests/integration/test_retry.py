@@ -1,0 +1,152 @@
+"""A task that fails after writing part of its output and is retried, as Flyte retries it (same inputs, up to
+the task's ``retries``, only for recoverable errors), leaves the same data plane state, MLflow metrics and
+weights as a clean run.
+
+Faults are injected at real boundaries by wrapping the real function so that it does its work (writes its
+output) and then raises a transient error, once:
+- step 1 rollout: after its rows are committed to the data plane;
+- step 1 train: after the new weights and checkpoint are saved (and older ones pruned), before the step
+  partition is cleared and the metrics are logged;
+- step 2 reference_logprobs: after its delta write is committed;
+- step 2 train: after the optimizer has updated the in-memory policy, before anything is saved;
+- validation: after its metrics are logged, before its sample table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+from flytekit.exceptions.base import FlyteRecoverableException
+
+from tests.helpers import small_config
+
+
+def _retrying(task, **inputs):
+    """Call a task as Flyte would: on a recoverable failure run it again with the same inputs."""
+    for attempt in range(task.metadata.retries + 1):
+        try:
+            return task(**inputs)
+        except FlyteRecoverableException:
+            if attempt == task.metadata.retries:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run(cfg, *, snapshots: list, attempts: list | None = None):
+    """Two GRPO steps and a validation, task by task in the order of ``grpo_step``."""
+    from tasks.advantages import advantages
+    from tasks.logprobs import policy_logprobs, reference_logprobs
+    from tasks.rollout import rollout
+    from tasks.setup import start_run
+    from tasks.train import train
+    from tasks.types import PolicyVersion
+    from tasks.validate import validate
+
+    run = start_run(cfg=cfg)
+    policy = PolicyVersion(step=0, path=run.start_policy_path)
+    for step in (1, 2):
+        batch = _retrying(rollout, cfg=cfg, run=run, policy=policy, step=step)
+        prev = _retrying(policy_logprobs, cfg=cfg, run=run, policy=policy, meta=batch)
+        ref = _retrying(reference_logprobs, cfg=cfg, run=run, meta=batch)
+        adv = _retrying(advantages, cfg=cfg, run=run, meta=batch)
+        snapshots.append(_state(cfg, run))  # the step partition, complete, before train clears it
+        policy = _retrying(train, cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
+        snapshots.append(_state(cfg, run))
+    _retrying(validate, cfg=cfg, run=run, policy=policy)
+    snapshots.append(_state(cfg, run))
+    return run, policy
+
+
+def _state(cfg, run) -> dict[str, str]:
+    """Everything under the run's data plane folder: relative path -> content digest, with what legitimately
+    differs between two runs normalized (run ids, write-attempt nonces, commit timestamps)."""
+    root = Path(cfg.dataplane.root) / run.run_id
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = re.sub(r"-[0-9a-f]{8}\.parquet$", ".parquet", str(path.relative_to(root)))
+        data = path.read_bytes()
+        if path.suffix == ".json" and "/_commits/" in f"/{rel}":
+            doc = json.loads(data)
+            doc.pop("created_unix_ns")
+            doc["file"] = re.sub(r"-[0-9a-f]{8}\.parquet$", ".parquet", doc["file"])
+            data = json.dumps(doc, sort_keys=True).encode()
+        data = data.replace(run.run_id.encode(), b"RUN").replace(run.mlflow_run_id.encode(), b"MLFLOW_RUN")
+        out[rel] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def _metrics(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(uri)
+    keys = c.get_run(run_id).data.metrics
+    return {k: sorted((m.step, m.value) for m in c.get_metric_history(run_id, k)) for k in keys}
+
+
+def _fail_once_after(monkeypatch, owner, name, label, fired, when):
+    """Wrap ``owner.name`` so that the first call with ``when(*args)`` true does its work, then raises."""
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if label not in fired and when(*args, **kwargs):
+            fired.append(label)
+            raise ConnectionResetError(f"injected fault: {label}")
+        return out
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+@pytest.mark.integration
+def test_retried_partial_failures_leave_the_clean_state(tmp_path, tiny_model_dir, monkeypatch):
+    import rl.train
+    import tasks.saving
+    import tasks.tracking
+    from dataplane.client import DataPlane
+    from safetensors.torch import load_file
+
+    clean_cfg = small_config(tmp_path / "clean", tiny_model_dir)
+    clean_snaps: list = []
+    clean_run, clean_policy = _run(clean_cfg, snapshots=clean_snaps)
+
+    fired: list[str] = []
+    calls = {"train_on_batch": 0}
+
+    def second_update(*args, **kwargs):
+        calls["train_on_batch"] += 1
+        return calls["train_on_batch"] == 2
+
+    _fail_once_after(monkeypatch, DataPlane, "put", "rollout step 1", fired, lambda self, part, *a, **k: part == "step_000001")
+    _fail_once_after(monkeypatch, tasks.saving, "save_policy", "train step 1 after saving", fired, lambda cfg, run, state, *a, **k: state.step == 1)
+    _fail_once_after(
+        monkeypatch, DataPlane, "write_columns", "ref_lp step 2", fired,
+        lambda self, meta, *a, task_name=None, **k: task_name == "ref_lp" and meta.partition_id == "step_000002",
+    )
+    _fail_once_after(monkeypatch, rl.train, "train_on_batch", "train step 2 after the update", fired, second_update)
+    _fail_once_after(monkeypatch, tasks.tracking, "log_metrics", "validation after logging", fired, lambda uri, run, metrics, step: "validation/accuracy" in metrics)
+
+    faulty_cfg = small_config(tmp_path / "faulty", tiny_model_dir)
+    faulty_snaps: list = []
+    faulty_run, faulty_policy = _run(faulty_cfg, snapshots=faulty_snaps)
+
+    assert len(fired) == 5, fired  # every fault fired once and every task then succeeded on retry
+    assert len(clean_snaps) == len(faulty_snaps) == 5
+    for i, (a, b) in enumerate(zip(clean_snaps, faulty_snaps)):
+        assert a == b, f"data plane state differs at snapshot {i}: {sorted(set(a.items()) ^ set(b.items()))}"
+    assert any(k.startswith("step_000001/data/") for k in clean_snaps[0])  # the snapshots saw the partition
+
+    clean_metrics = _metrics(clean_cfg.tracking.uri, clean_run.mlflow_run_id)
+    faulty_metrics = _metrics(faulty_cfg.tracking.uri, faulty_run.mlflow_run_id)
+    assert sorted(clean_metrics) == sorted(faulty_metrics)
+    for key, history in faulty_metrics.items():
+        assert [s for s, _ in history] == [s for s, _ in clean_metrics[key]], key  # each step exactly once
+        if not key.startswith("timing/") and not key.endswith(("_per_s", "generation_time_s")):
+            assert history == clean_metrics[key], key
+
+    a = load_file(str(Path(clean_policy.path) / "model.safetensors"))
+    b = load_file(str(Path(faulty_policy.path) / "model.safetensors"))
+    assert all(a[k].equal(b[k]) for k in a)
