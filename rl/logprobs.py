@@ -48,7 +48,7 @@ def forward_logprobs(
         model: causal LM whose forward accepts ``logits_to_keep`` (every current HF decoder).
         input_ids: [M, S] int64, right-padded.
         input_lengths: [M] int64 unpadded lengths.
-        precision: ``bfloat16`` or ``float32``.
+        precision: ``auto``, ``bfloat16`` or ``float32`` (see :func:`rl.precision.autocast`).
         temperature: see :func:`logprobs_from_logits`.
         first_token: first position whose logprob is needed (>= 1).
 

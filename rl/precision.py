@@ -1,20 +1,87 @@
-"""The one place that decides how forward passes run: device and autocast dtype."""
+"""The one place that decides how forward passes run: device and compute dtype.
+
+``model.precision: auto`` picks bfloat16 where the hardware multiplies in bfloat16 natively (a CUDA device that
+supports it, or a CPU with AVX-512 BF16 or AMX) and float32 elsewhere: on CPUs without native bf16, PyTorch's
+bf16 matmuls are emulated and ~400x slower than float32 (0.33 vs 127 GFLOP/s measured on an AVX2 EPYC), while on
+an AVX-512 BF16 EPYC they are ~5.5x faster (779 vs 142 GFLOP/s, 2048^3, 2 threads).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
+
+PRECISIONS = ("auto", "bfloat16", "float32")
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when ``/proc/cpuinfo`` lists ``avx512_bf16`` or ``amx_bf16`` (False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve(precision: str, device: torch.device | str = "cpu") -> str:
+    """``bfloat16`` or ``float32``: ``precision`` itself, or for ``auto`` what ``device`` runs fastest.
+
+    Raises:
+        ValueError: ``precision`` is not one of :data:`PRECISIONS`.
+    """
+    if precision not in PRECISIONS:
+        msg = f"precision {precision!r} is not one of {PRECISIONS}"
+        raise ValueError(msg)
+    if precision != "auto":
+        return precision
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if device.type == "cpu" and cpu_has_native_bf16() else "float32"
+
+
 @contextlib.contextmanager
 def autocast(model: torch.nn.Module, precision: str) -> Iterator[None]:
-    """bfloat16 autocast on the model's device when ``precision == "bfloat16"`` (float32 master weights)."""
+    """Run ``model``'s forward passes inside this block in the resolved precision.
+
+    bfloat16 is mixed precision: float32 master weights, the transformer trunk under ``torch.autocast`` in
+    bfloat16, and the output embedding (LM head) kept in float32 so that logits, sampling and logprobs carry
+    float32 resolution (a bf16 logit near 20 is rounded by up to 0.06). The float32 head is a
+    temporary instance override of the head's ``forward``, removed on exit. ``auto`` leaves a model whose
+    weights are not float32 (a float64 test model, a bf16 checkpoint) in its own dtype.
+    """
     device = device_of(model)
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+    master = next(model.parameters()).dtype
+    if resolve(precision, device) == "float32" or (precision == "auto" and master != torch.float32):
         yield
+        return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16), _float32_module(head):
+        yield
+
+
+@contextlib.contextmanager
+def _float32_module(module: torch.nn.Module | None) -> Iterator[None]:
+    if module is None:
+        yield
+        return
+    bound = module.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return bound(x.float())
+
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward

@@ -10,7 +10,7 @@ from rl.config import config_from_dict
 def small_config(tmp_path: Path, model: str, **overrides: dict) -> object:
     """A config for a fast run: local data plane and sqlite MLflow store under ``tmp_path``."""
     base = {
-        "model": {"name": model},
+        "model": {"name": model, "precision": "float32"},  # the same arithmetic on every CPU
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "val_period": 2},
         "generation": {"max_new_tokens": 8},
         "data": {"num_val_problems": 4},

@@ -28,7 +28,7 @@ def test_defaults_are_valid_and_json_safe():
         ("generation", {"backend": "vllm"}, "only 'transformers' is available"),
         ("grpo", {"dynamic_sampling_max_gen_batches": 0}, "at least 1"),
         ("loss", {"seq_logprob_error_threshold": 0.5}, ">= 1"),
-        ("model", {"precision": "fp8"}, "'bfloat16' or 'float32'"),
+        ("model", {"precision": "fp8"}, "'auto', 'bfloat16' or 'float32'"),
         ("grpo", {"advantage_clip": 0}, "positive bound"),
         ("loss", {"truncated_importance_sampling_ratio": 2.0}, "use_importance_sampling_correction is false"),
         ("loss", {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": -1}, "positive bound"),

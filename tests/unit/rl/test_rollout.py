@@ -23,6 +23,7 @@ def _cfg(**grpo):
         {
             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 3, **grpo},
             "generation": {"max_new_tokens": 6},
+            "model": {"precision": "float32"},
         }
     )
 

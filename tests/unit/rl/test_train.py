@@ -45,6 +45,7 @@ def _cfg(mbs):
             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
             "optim": {"lr": 1e-3, "train_micro_batch_size": mbs, "train_global_batch_size": 8, "max_grad_norm": 0.0},
             "loss": {"reference_policy_kl_penalty": 0.1},
+            "model": {"precision": "float32"},
         }
     )
 
