@@ -55,7 +55,7 @@ def ours_config(spec: dict):
     work = Path(spec["workdir"])
     return config_from_dict(
         {
-            "model": {"name": spec["model_path"], "precision": "float32"},
+            "model": {"name": spec["model_path"], "precision": spec["precision"]},
             "grpo": {
                 "num_prompts_per_step": spec["prompts"],
                 "num_generations_per_prompt": spec["generations"],
@@ -184,10 +184,10 @@ def side_trl(spec: dict) -> dict:
     out_dir = Path(spec["workdir"]) / "trl"
     args = TRLConfig(
         output_dir=str(out_dir / "trainer"),
-        # model and precision: float32 on CPU
+        # model and precision: float32 master weights; bf16=True is HF Trainer's CPU autocast (mixed precision)
         model_init_kwargs={"dtype": "float32"},
         use_cpu=True,
-        bf16=False,
+        bf16=spec["trl_precision"] == "bfloat16",
         fp16=False,
         gradient_checkpointing=False,
         disable_dropout=True,
@@ -428,7 +428,9 @@ def report(spec: dict, ours: dict, trl_res: dict, ev: dict, command: str, total_
         f"Versions: torch {version('torch')}, transformers {version('transformers')}, trl {trl_res['trl_version']}, "
         f"flytekit {version('flytekit')}, mlflow {version('mlflow')}.",
         "",
-        "**float32 on CPU, both sides.** Same model folder (`" + spec["model_path"] + "`), same training problems in the "
+        f"**Precision: ours {spec['precision']}, TRL {spec['trl_precision']}** (bfloat16 = mixed precision with float32 master "
+        "weights: ours `model.precision: bfloat16`, the LM head in float32; TRL `bf16=True`, HF Trainer's CPU autocast); held-out "
+        "evaluation in float32 for every model. Same model folder (`" + spec["model_path"] + "`), same training problems in the "
         f"same order ({spec['data']['dataset']} {spec['data']['dataset_kwargs']}, seed {spec['data']['seed']}; step k uses "
         "problems (k-1)*B .. k*B-1), same chat-formatted prompts (system prompt "
         f"{spec['data']['system_prompt']!r}; token ids identical: {trl_res['prompts_identical']}), same reward (`rl.data.score`).",
@@ -472,12 +474,14 @@ def report(spec: dict, ours: dict, trl_res: dict, ev: dict, command: str, total_
         "- KL: both k3 = exp(ref - logp) - (ref - logp) - 1 weighted by beta (TRL `use_bias_correction_kl=False`); ours clamps the log-ratio "
         "to +-20 and the per-token KL to 10 (NeMo-RL), TRL does not clamp.",
         "- weight decay: both AdamW 0.01, but HF Trainer exempts biases and norm weights; ours decays every parameter.",
-        "- sampling randomness: same seed value, different streams (ours re-seeds torch per step with "
-        "`seed * 1000003 + step`, TRL seeds once), so the completions, and hence rewards and updates, differ.",
+        "- sampling randomness: same seed value, different streams (ours re-seeds every RNG per step and purpose with "
+        "`rl.seeding.step_seed`, TRL seeds once), so the completions, and hence rewards and updates, differ.",
         "- step time scope: ours' step (rollout task start to train task end) includes Flyte task overhead, data-plane Parquet I/O "
         "and saving the step's weights (a full checkpoint on the last step; the row 'without weight saving' subtracts it), and its "
         "step 1 loads the policy and reference models; TRL loads both before its first step and saves nothing during steps.",
-        "- extra work per step: ours keeps the sampling logits during generation (generation logprobs); TRL computes per-token "
+        "- generation: ours runs its own KV-cached decode loop (one prefill per distinct prompt, inverse-CDF sampling, finished "
+        "rows leave the batch); TRL calls transformers `generate`.",
+        "- extra work per step: ours computes generation logprobs while sampling; TRL computes per-token "
         "entropy in its training forward. Reference logprobs: ours in batches of 16, TRL in micro-batches of "
         f"{spec['micro_batch']}; TRL shuffles the step's rows before splitting them into micro-batches (same gradient).",
         "- TRL step split (medians): "
@@ -509,6 +513,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward (capped at B*G)")
     parser.add_argument("--heldout", type=int, default=64, help="held-out problems for greedy accuracy")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="training/generation precision of ours (bfloat16: mixed, float32 master weights)")
+    parser.add_argument("--trl-precision", choices=["float32", "bfloat16"], help="TRL's precision (default: --precision)")
     parser.add_argument("--ours-baseline", choices=["mean", "leave-one-out"], default="mean",
                         help="ours' baseline: 'mean' matches TRL; 'leave-one-out' is ours' default")
     parser.add_argument("--out", default="bench/results/vs_trl.md", help="markdown result file (relative to the repo)")
@@ -545,6 +552,8 @@ def main() -> None:
         "micro_batch": micro,
         "heldout": args.heldout,
         "seed": args.seed,
+        "precision": args.precision,
+        "trl_precision": args.trl_precision or args.precision,
         "baseline": args.ours_baseline,
         "model_path": resolve_model("SmolLM2-135M-Instruct"),
         "workdir": str(work),
