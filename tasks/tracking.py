@@ -37,18 +37,18 @@ def start_run(
         exp_id = c.create_experiment(experiment_name, artifact_location=artifact_location)
     else:
         exp_id = exp.experiment_id
+    found = []
     if reuse_tag is not None:
         value = tags[reuse_tag].replace("'", "")
         found = c.search_runs([exp_id], filter_string=f"tags.`{reuse_tag}` = '{value}'", max_results=1)
-        if found:
-            return found[0].info.run_id
-    run = c.create_run(exp_id, run_name=run_name, tags=tags)
+    run_id = found[0].info.run_id if found else c.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
     from mlflow.entities import Param
 
+    # logged again on reuse: the earlier attempt may have died before its params (same values are accepted)
     items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
     for i in range(0, len(items), 100):
-        c.log_batch(run.info.run_id, params=items[i : i + 100])
-    return run.info.run_id
+        c.log_batch(run_id, params=items[i : i + 100])
+    return run_id
 
 
 def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> bool:
