@@ -84,6 +84,7 @@ def ours_config(spec: dict):
                 "max_grad_norm": spec["max_grad_norm"],
                 "warmup_steps": 0,
                 "train_micro_batch_size": spec["micro_batch"],
+                "logprob_batch_size": spec["micro_batch"],
             },
             "data": {"num_val_problems": spec["heldout"]},
             "dataplane": {"root": str(work / "ours" / "dataplane")},
@@ -481,9 +482,13 @@ def report(spec: dict, ours: dict, trl_res: dict, ev: dict, command: str, total_
         "step 1 loads the policy and reference models; TRL loads both before its first step and saves nothing during steps.",
         "- generation: ours runs its own KV-cached decode loop (one prefill per distinct prompt, inverse-CDF sampling, finished "
         "rows leave the batch); TRL calls transformers `generate`.",
+        "- forward passes: ours encodes each group's shared prompt once per micro-batch (the completions attend to its KV "
+        "cache, `rl.logprobs.forward_logprobs`), runs the LM head only on response tokens (bf16 matmul, float32-exact target and "
+        "top-8 logits, `rl.lm_head`) and uses eager attention; TRL runs every padded row through the full model "
+        "(SDPA attention, the LM head on all completion positions under bf16 autocast).",
         "- extra work per step: ours computes generation logprobs while sampling; TRL computes per-token "
-        "entropy in its training forward. Reference logprobs: ours in batches of 16, TRL in micro-batches of "
-        f"{spec['micro_batch']}; TRL shuffles the step's rows before splitting them into micro-batches (same gradient).",
+        f"entropy in its training forward. Reference logprobs: both in batches of {spec['micro_batch']}; TRL shuffles the step's "
+        "rows before splitting them into micro-batches (same gradient).",
         "- TRL step split (medians): "
         f"{_med(trl_res.get('until_optimizer_s'))} s from step begin to the optimizer step (generation, logprobs, forward/backward, "
         f"grad clip), {_med(trl_res.get('optimizer_s'))} s in `optimizer.step`; TRL's own logged `step_time` (its `training_step` "
@@ -510,7 +515,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward (capped at B*G)")
+    parser.add_argument("--micro-batch", type=int, default=32, help="samples per forward/backward, both sides (capped at B*G)")
     parser.add_argument("--heldout", type=int, default=64, help="held-out problems for greedy accuracy")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="bfloat16",

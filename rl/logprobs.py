@@ -1,33 +1,29 @@
 """Per-token logprobs of given sequences under a model (policy, reference policy, or the training forward).
 
-Owns the forward pass -> logprob reduction; never materializes log_softmax over the vocabulary
-(gather minus logsumexp over float32 logits, one micro-batch at a time).
+Owns the forward pass -> logprob reduction: the trunk over the padded micro-batch, the LM head (`rl.lm_head`)
+only over the wanted positions, packed; log_softmax over the vocabulary is never materialized.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rl.lm_head import lm_head
 from rl.precision import autocast, device_of
 
 
-def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Full-length logprobs aligned with ``input_ids``.
+def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, precision: str, **kwargs) -> torch.Tensor:
+    """[M, S, H] final hidden states of the model's trunk (the decoder without the LM head), in ``precision``.
 
-    Args:
-        logits: [M, S, V] any float dtype; position t predicts token t+1.
-        input_ids: [M, S] int64.
-        temperature: logits are divided by it, matching the sampling distribution of generation.
-
-    Returns:
-        [M, S] float32 (float64 for float64 logits): entry t (t >= 1) = log p(input_ids[t] | input_ids[<t]) in nats; entry 0 is 0.
+    ``kwargs`` go to the decoder's forward (``position_ids``, ``past_key_values``, ``use_cache``). Callers that
+    run many forwards with unchanged weights wrap them in one :func:`rl.precision.autocast` block: torch's autocast
+    caches the bf16 copies of weights that require grad until the outermost block exits.
     """
-    shifted = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))  # [M, S-1, V]
-    if temperature != 1.0:
-        shifted = shifted / temperature
-    targets = input_ids[:, 1:, None]  # [M, S-1, 1]
-    lp = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, -1)  # [M, S-1]
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)  # [M, S]
+    device = device_of(model)
+    with autocast(model, precision):
+        return model.get_decoder()(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
+        ).last_hidden_state
 
 
 def forward_logprobs(
@@ -37,44 +33,67 @@ def forward_logprobs(
     *,
     precision: str,
     temperature: float = 1.0,
-    first_token: int = 1,
+    token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logprobs of right-padded sequences; gradients flow if enabled by the caller.
+    """Logprobs of right-padded sequences, each shared prompt encoded once; gradients flow if enabled by the caller.
 
-    The LM head (a [hidden, V] matmul, ~20% of SmolLM2's FLOPs per token) runs only on the positions that
-    predict tokens ``first_token ..``: pass the first response position to skip the prompt.
+    Each row splits at its first wanted token: the prefix before the position that predicts it (the prompt, for a
+    rollout) and the suffix (last prompt token + response). Rows with the same prefix (a GRPO group's G
+    completions) share one prefix forward, whose KV cache the suffixes attend to; autograd carries their gradients
+    back through it. A group of 8 rollouts of SmolLM2 (prompts ~37 tokens, responses ~22) then runs ~45% fewer
+    trunk tokens than the plain padded forward, with the same values up to float rounding (positions and masks
+    are those of the full sequence). The LM head (a [H, V] matmul and a [T, V] log-sum-exp) runs only on the
+    wanted positions, packed into one [T, H] batch (`rl.lm_head`).
 
     Args:
-        model: causal LM whose forward accepts ``logits_to_keep`` (every current HF decoder).
+        model: Hugging Face causal LM with a bias-free linear LM head (see :func:`rl.lm_head.lm_head`).
         input_ids: [M, S] int64, right-padded.
-        input_lengths: [M] int64 unpadded lengths.
+        input_lengths: [M] int64 unpadded lengths (>= 1).
         precision: ``auto``, ``bfloat16`` or ``float32`` (see :func:`rl.precision.autocast`).
-        temperature: see :func:`logprobs_from_logits`.
-        first_token: first position whose logprob is needed (>= 1).
+        temperature: logits are divided by it, matching the sampling distribution of generation.
+        token_mask: [M, S] bool, the tokens whose logprobs are wanted (position 0 is never computed); None = all.
 
     Returns:
-        [M, S] float32; entries before ``first_token`` and at/after ``input_lengths`` are 0.
+        [M, S] float32 (float64 for a float64 model): entry t = log p(input_ids[t] | input_ids[<t]) in nats where
+        wanted, 0 elsewhere (position 0, padding, tokens outside ``token_mask``).
     """
-    device = device_of(model)
+    from transformers import DynamicCache
+
     m, s = input_ids.shape
-    first_token = max(1, min(first_token, s - 1)) if s > 1 else 1
-    positions = torch.arange(s)[None, :]  # [1, S]
-    attention_mask = (positions < input_lengths[:, None]).long()  # [M, S]
-    keep = s - (first_token - 1)  # logits for positions first_token-1 .. S-1
-    with autocast(model, precision):
-        logits = model(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), logits_to_keep=keep
-        ).logits  # [M, keep, V]
-    lp = logprobs_from_logits(logits, input_ids[:, first_token - 1 :].to(device), temperature).cpu()  # [M, keep]
-    out = torch.zeros(m, s, dtype=lp.dtype)  # [M, S]
-    out[:, first_token:] = lp[:, 1:]
-    return out * attention_mask
-
-
-def first_response_token(token_mask: torch.Tensor) -> int:
-    """Smallest index of a True entry of ``token_mask`` [M, S] over all rows (S if none)."""
-    hits = token_mask.any(0).nonzero()
-    return int(hits[0]) if len(hits) else token_mask.shape[1]
+    device = device_of(model)
+    arange = torch.arange(s)[None, :]  # [1, S]
+    want = (arange < input_lengths[:, None])[:, 1:]  # [M, S-1], position t predicts token t+1
+    if token_mask is not None:
+        want = want & token_mask[:, 1:].bool()
+    first = torch.where(want.any(1), want.int().argmax(1), 0)  # [M] first predicting position = prefix length
+    prefixes = [tuple(input_ids[i, : int(first[i])].tolist()) for i in range(m)]
+    distinct: dict[tuple[int, ...], int] = {}
+    owner = torch.tensor([distinct.setdefault(p, len(distinct)) for p in prefixes])  # [M] row -> its prefix
+    cache, prefix_mask = None, torch.zeros(m, 0, dtype=torch.int64)  # [M, P]
+    if int(first.max()) > 0:  # encode each distinct prefix once, then give every row its prefix's KV cache
+        # right-padded, so that no query row is fully masked (in float64 that gives NaN, which the pad positions'
+        # keys would carry into the suffix); the suffix's attention mask hides the pad keys
+        width = max(map(len, distinct))
+        ids = torch.tensor([[*p, *(0,) * (width - len(p))] for p in distinct])  # [k, P]
+        attn = (torch.arange(width)[None, :] < torch.tensor([len(p) for p in distinct])[:, None]).long()  # [k, P]
+        cache = DynamicCache(config=model.config)
+        hidden_states(model, ids, attn, precision=precision, past_key_values=cache, use_cache=True)
+        cache.batch_select_indices(owner.to(device))
+        prefix_mask = attn[owner]
+    width = int((input_lengths - first).max())  # suffix width R
+    cols = first[:, None] + torch.arange(width)[None, :]  # [M, R] source positions of the suffix
+    live = cols < input_lengths[:, None]  # [M, R]
+    suffix = torch.where(live, input_ids.gather(1, cols.clamp(max=s - 1)), 0)  # [M, R]
+    hidden = hidden_states(
+        model, suffix, torch.cat([prefix_mask, live.long()], 1), precision=precision, position_ids=cols.to(device),
+        past_key_values=cache, use_cache=cache is not None,
+    )  # [M, R, H]
+    # suffix position j (source position cols[i, j]) predicts token cols[i, j] + 1
+    picked = live & (cols < s - 1) & want.gather(1, cols.clamp(max=s - 2))  # [M, R]
+    rows, js = picked.nonzero(as_tuple=True)  # [T] each
+    targets = input_ids[rows, cols[rows, js] + 1]  # [T]
+    lp = lm_head(model, precision).token_logprobs(hidden[rows.to(device), js.to(device)], targets.to(device), temperature).cpu()
+    return lp.new_zeros(m, s).index_put((rows, cols[rows, js] + 1), lp)  # [M, S]
 
 
 def batched_logprobs(
@@ -90,14 +109,14 @@ def batched_logprobs(
     """:func:`forward_logprobs` over micro-batches of ``batch_size`` rows, without gradients.
 
     Args:
-        token_mask: [N, S] bool, True on response tokens; logprobs are computed from the first one on.
+        token_mask: [N, S] bool, True on response tokens: the only tokens whose logprobs are computed.
 
     Returns:
-        [N, S] float32, 0 before each micro-batch's first response token and on padding.
+        [N, S] float32, 0 outside ``token_mask``.
     """
     out = torch.zeros(input_ids.shape, dtype=torch.float32)  # [N, S]
-    order = torch.argsort(input_lengths, stable=True)  # similar lengths per micro-batch pad less
-    with torch.no_grad():
+    order = torch.arange(input_ids.shape[0])  # row order: a rollout's groups stay together and share their prompt
+    with torch.no_grad(), autocast(model, precision):  # one block: weights are cast once (when they require grad)
         for a in range(0, input_ids.shape[0], batch_size):
             rows = order[a : a + batch_size]  # [m]
             width = int(input_lengths[rows].max())
@@ -107,6 +126,6 @@ def batched_logprobs(
                 input_lengths[rows],
                 precision=precision,
                 temperature=temperature,
-                first_token=first_response_token(token_mask[rows, :width]),
+                token_mask=token_mask[rows, :width],
             ).to(out.dtype)
     return out

@@ -49,39 +49,28 @@ def resolve(precision: str, device: torch.device | str = "cpu") -> str:
     return "bfloat16" if device.type == "cpu" and cpu_has_native_bf16() else "float32"
 
 
+def runs_bf16(model: torch.nn.Module, precision: str) -> bool:
+    """Whether ``precision`` runs ``model`` in bfloat16 mixed precision: it resolves to bfloat16 on the model's
+    device, and (for ``auto``) the master weights are float32.
+
+    Raises:
+        ValueError: ``precision`` is not one of :data:`PRECISIONS`.
+    """
+    master = next(model.parameters()).dtype
+    return resolve(precision, device_of(model)) == "bfloat16" and not (precision == "auto" and master != torch.float32)
+
+
 @contextlib.contextmanager
 def autocast(model: torch.nn.Module, precision: str) -> Iterator[None]:
     """Run ``model``'s forward passes inside this block in the resolved precision.
 
-    bfloat16 is mixed precision: float32 master weights, the transformer trunk under ``torch.autocast`` in
-    bfloat16, and the output embedding (LM head) kept in float32 so that logits, sampling and logprobs carry
-    float32 resolution (a bf16 logit near 20 is rounded by up to 0.06). The float32 head is a
-    temporary instance override of the head's ``forward``, removed on exit. ``auto`` leaves a model whose
-    weights are not float32 (a float64 test model, a bf16 checkpoint) in its own dtype.
+    bfloat16 is mixed precision: float32 master weights and the transformer trunk under ``torch.autocast`` in
+    bfloat16. The LM head is not run through the model's forward: `rl.lm_head` computes it (bf16 matmul with
+    exact float32 logits where they decide a logprob). ``auto`` leaves a model whose weights are not float32 (a
+    float64 test model, a bf16 checkpoint) in its own dtype.
     """
-    device = device_of(model)
-    master = next(model.parameters()).dtype
-    if resolve(precision, device) == "float32" or (precision == "auto" and master != torch.float32):
+    if not runs_bf16(model, precision):
         yield
         return
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16), _float32_module(head):
+    with torch.autocast(device_type=device_of(model).type, dtype=torch.bfloat16):
         yield
-
-
-@contextlib.contextmanager
-def _float32_module(module: torch.nn.Module | None) -> Iterator[None]:
-    if module is None:
-        yield
-        return
-    bound = module.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            return bound(x.float())
-
-    module.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.forward

@@ -1,5 +1,5 @@
-"""Mixed precision on a tiny random model with the real tokenizer: what ``auto`` resolves to, and the float32 LM
-head under bf16 autocast (generation vs training logprobs in bf16: tests/unit/rl/test_rollout.py)."""
+"""Mixed precision on a tiny random model with the real tokenizer: what ``auto`` resolves to, the bf16 trunk (the LM
+head: tests/unit/rl/test_lm_head.py; generation vs training logprobs in bf16: tests/unit/rl/test_rollout.py)."""
 
 from __future__ import annotations
 
@@ -25,29 +25,28 @@ def test_explicit_precisions_are_kept_and_auto_follows_the_cpu_flags():
         precision.resolve("fp16")
 
 
-def test_bf16_runs_the_trunk_in_bf16_and_the_lm_head_in_float32(tiny):
+def test_bf16_runs_the_trunk_in_bf16_and_the_head_matmul_in_bf16(tiny):
+    from rl.lm_head import lm_head
+    from rl.logprobs import hidden_states
+
     model, _ = tiny
-    head = model.get_output_embeddings()
     seen = {}
 
-    def record(name):
-        def hook(module, inputs, output):
-            seen[name] = output.dtype
+    def record(module, inputs, output):
+        seen["trunk"] = output.dtype
 
-        return hook
-
-    hooks = [model.model.layers[0].mlp.down_proj.register_forward_hook(record("trunk")), head.register_forward_hook(record("head"))]
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(record)
     ids = torch.tensor([[1, 5, 9, 13, 2]])
     try:
-        with torch.no_grad(), precision.autocast(model, "bfloat16"):
-            logits = model(input_ids=ids).logits
+        with torch.no_grad():
+            hidden = hidden_states(model, ids, torch.ones_like(ids), precision="bfloat16")
     finally:
-        for h in hooks:
-            h.remove()
-    assert seen == {"trunk": torch.bfloat16, "head": torch.float32}
-    assert logits.dtype == torch.float32
-    assert "forward" not in vars(head)  # the float32 override is gone after the block
-    with torch.no_grad():
+        hook.remove()
+    assert seen == {"trunk": torch.bfloat16}
+    assert hidden.shape == (1, 5, model.config.hidden_size)
+    assert lm_head(model, "bfloat16").compute_dtype == torch.bfloat16
+    assert lm_head(model, "float32").compute_dtype == torch.float32
+    with torch.no_grad():  # outside the block the model is float32 again
         assert model(input_ids=ids).logits.dtype == torch.float32
 
 

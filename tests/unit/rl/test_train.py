@@ -70,16 +70,61 @@ def test_micro_batches_1x8_and_8x1_give_the_same_update(tiny64, token_level):
 
 def test_extra_padding_changes_nothing(tiny64):
     batch = _batch()
-    lp = forward_logprobs(tiny64, batch["input_ids"], batch["input_lengths"], precision="float32", first_token=4)
+    lp = forward_logprobs(tiny64, batch["input_ids"], batch["input_lengths"], precision="float32", token_mask=batch["token_mask"])
     wide = torch.cat([batch["input_ids"], torch.full((8, 5), 7)], 1)
-    lp_wide = forward_logprobs(tiny64, wide, batch["input_lengths"], precision="float32", first_token=4)
+    wide_mask = torch.cat([batch["token_mask"], torch.ones(8, 5, dtype=torch.bool)], 1)  # padding is never wanted
+    lp_wide = forward_logprobs(tiny64, wide, batch["input_lengths"], precision="float32", token_mask=wide_mask)
     assert torch.allclose(lp_wide[:, :12], lp, atol=1e-12)
     assert (lp_wide[:, 12:] == 0).all()
 
 
-def test_logprobs_skip_only_positions_before_the_first_response_token(tiny64):
+def test_logprobs_are_computed_exactly_on_the_wanted_tokens(tiny64):
     batch = _batch()
-    full = forward_logprobs(tiny64, batch["input_ids"], batch["input_lengths"], precision="float32", first_token=1)
-    cut = batched_logprobs(tiny64, batch["input_ids"], batch["input_lengths"], batch["token_mask"], batch_size=3, precision="float32")
-    mask = batch["token_mask"]
+    ids, lengths, mask = batch["input_ids"], batch["input_lengths"], batch["token_mask"]
+    full = forward_logprobs(tiny64, ids, lengths, precision="float32")
+    with torch.no_grad():  # the model's own forward and log_softmax
+        logits = tiny64(input_ids=ids, attention_mask=(torch.arange(12)[None] < lengths[:, None]).long()).logits
+    expected = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [M, S-1]
+    valid = (torch.arange(12)[None] < lengths[:, None])[:, 1:]
+    assert torch.allclose(full[:, 1:][valid], expected[valid], atol=1e-10)
+    assert (full[:, 0] == 0).all() and (full[:, 1:][~valid] == 0).all()
+    cut = batched_logprobs(tiny64, ids, lengths, mask, batch_size=3, precision="float32")
     assert torch.allclose(cut[mask], full[mask].to(cut.dtype), atol=1e-12)
+    assert (cut[~mask] == 0).all()
+
+
+
+def test_shared_prompts_are_encoded_once_with_the_same_values_and_gradients(tiny64):
+    g = torch.Generator().manual_seed(5)
+    rows, masks = [], []
+    for prompt_len in (5, 3, 7):  # three groups of 3 completions, prompts of different lengths
+        prompt = torch.randint(3, 1000, (prompt_len,), generator=g).tolist()
+        for _ in range(3):
+            response = torch.randint(3, 1000, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+            rows.append(prompt + response)
+            masks.append([False] * prompt_len + [True] * len(response))
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [2] * (width - len(r)) for r in rows])
+    mask = torch.tensor([m + [False] * (width - len(m)) for m in masks])
+    lengths = torch.tensor([len(r) for r in rows])
+    weights = torch.randn(ids.shape, generator=g, dtype=torch.float64)
+
+    calls = []
+    hook = tiny64.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[:2]))
+    try:
+        ours = forward_logprobs(tiny64, ids, lengths, precision="float32", token_mask=mask)
+    finally:
+        hook.remove()
+    assert calls[0] == (3, 6)  # 3 distinct prefixes (prompt minus its last token), left-padded to 6
+    assert calls[1][0] == 9  # then every row's suffix
+    ours_grads = torch.autograd.grad((ours * weights).sum(), list(tiny64.parameters()))
+
+    logits = tiny64(input_ids=ids, attention_mask=(torch.arange(width)[None] < lengths[:, None]).long()).logits
+    plain = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [M, S-1]
+    plain = torch.cat([torch.zeros(9, 1, dtype=plain.dtype), plain], 1) * mask
+    plain_grads = torch.autograd.grad((plain * weights).sum(), list(tiny64.parameters()))
+    assert torch.allclose(ours, plain, atol=1e-10)
+    for a, b in zip(ours_grads, plain_grads, strict=True):
+        # HF's eager attention takes its softmax in float32 even in a float64 model: the prefix's gradient (summed
+        # over the group before that softmax's backward, instead of after) differs at float32 rounding only
+        assert ((a - b).norm() / b.norm()).item() < 1e-6
