@@ -3,6 +3,7 @@
     python bench/vs_trl.py                      # 4 steps of 8 prompts x 8 completions, 32 new tokens
     python bench/vs_trl.py --steps 1 --prompts 2 --generations 2 --max-new-tokens 8 --heldout 4 \\
         --out bench/results/vs_trl_smoke.md     # smoke run
+    python bench/vs_trl.py --steps 8 --seeds 42,43,44   # each side once per seed: learning net of sampling luck
 
 Needs the optional extra: `pip install -c constraints.txt -e ".[trl]"`. `trl` is imported only inside the TRL
 side (`--side trl`); nothing else in the project imports it.
@@ -127,6 +128,8 @@ def side_ours(spec: dict) -> dict:
         "checkpointing_s": history("timing/train/checkpointing"),
         "reward": history("train/reward"),
         "generated_tokens": history("train/generated_tokens"),
+        "grad_norm": history("train/grad_norm"),  # before clipping
+        "kl": history("train/kl_penalty"),
         "final_model": summary.last_checkpoint,
         "mlflow_run_id": summary.mlflow_run_id,
         "torch_threads": torch.get_num_threads(),
@@ -279,6 +282,8 @@ def side_trl(spec: dict) -> dict:
         "step_time_s": timer.times,
         "reward": [float(x["reward"]) for x in logged],
         "generated_tokens": [float(x["completions/mean_length"]) * n for x in logged],
+        "grad_norm": [float(x.get("grad_norm", float("nan"))) for x in logged],  # before clipping
+        "kl": [float(x.get("kl", float("nan"))) for x in logged],
         "trl_step_time_s": [float(x.get("step_time", float("nan"))) for x in logged],  # TRL's own: training_step calls only
         "until_optimizer_s": timer.until_optimizer,
         "optimizer_s": timer.optimizer,
@@ -330,7 +335,15 @@ SIDES = {"ours": side_ours, "trl": side_trl, "eval": side_eval}
 
 
 def run_child(side: str, spec_path: Path, result_path: Path) -> dict:
-    """Run one side in a subprocess; return its JSON result plus wall time and peak RSS (os.wait4)."""
+    """Run one side in a subprocess; return its JSON result plus wall time and peak RSS (os.wait4).
+
+    A result already complete at ``result_path`` (from an interrupted run resumed with ``--workdir``) is reused.
+    """
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+        if "peak_rss_bytes" in result:
+            print(f"[vs_trl] --- {side}: reusing {result_path}", flush=True)
+            return result | {"reused": True}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--spec", str(spec_path), "--result", str(result_path)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
@@ -348,6 +361,7 @@ def run_child(side: str, spec_path: Path, result_path: Path) -> dict:
     result = json.loads(result_path.read_text())
     result["process_wall_s"] = wall
     result["peak_rss_bytes"] = usage.ru_maxrss * 1024  # Linux: KiB
+    result_path.write_text(json.dumps(result))  # complete: a resumed run (--workdir) reuses it
     print(f"[vs_trl] --- {side} done in {wall:.1f} s, peak RSS {usage.ru_maxrss / 2**20:.2f} GiB", flush=True)
     return result
 
@@ -389,7 +403,9 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b and math.isfinite(a) and math.isfinite(b) else "n/a"
 
 
-def report(spec: dict, ours: dict, trl_res: dict, ev: dict, command: str, total_wall: float) -> str:
+def report(
+    spec: dict, ours: dict[int, dict], trl_res: dict[int, dict], ev: dict, command: str, total_wall: float, reused: int = 0
+) -> str:
     from importlib import metadata
 
     def version(dist: str) -> str:
@@ -400,41 +416,72 @@ def report(spec: dict, ours: dict, trl_res: dict, ev: dict, command: str, total_
 
     m = machine()
     n = spec["prompts"] * spec["generations"]
+    seeds = spec["seeds"]
+
+    def pooled(res: dict[int, dict], key: str) -> list[float]:
+        return [v for seed in seeds for v in res[seed][key]]
 
     def per_step_rate(res: dict) -> list[float]:
         return [t / s for t, s in zip(res["generated_tokens"], res["step_time_s"]) if s > 0]
 
-    o_med, t_med = statistics.median(ours["step_time_s"]), statistics.median(trl_res["step_time_s"])
-    o_ex = [s - c for s, c in zip(ours["step_time_s"], ours["checkpointing_s"])]
-    o_rate, t_rate = statistics.median(per_step_rate(ours)), statistics.median(per_step_rate(trl_res))
-    o_mem, t_mem = ours["peak_rss_bytes"] / 2**30, trl_res["peak_rss_bytes"] / 2**30
-    o_rew, t_rew = statistics.mean(ours["reward"]), statistics.mean(trl_res["reward"])
+    def step_means(res: dict[int, dict], key: str) -> list[float]:  # per step, the mean over seeds
+        return [statistics.mean(vals) for vals in zip(*(res[seed][key] for seed in seeds))]
+
+    first = ours[seeds[0]], trl_res[seeds[0]]
+    o_med, t_med = statistics.median(pooled(ours, "step_time_s")), statistics.median(pooled(trl_res, "step_time_s"))
+    o_ex = [s - c for seed in seeds for s, c in zip(ours[seed]["step_time_s"], ours[seed]["checkpointing_s"])]
+    o_rate = statistics.median([r for seed in seeds for r in per_step_rate(ours[seed])])
+    t_rate = statistics.median([r for seed in seeds for r in per_step_rate(trl_res[seed])])
+    o_mem = max(ours[seed]["peak_rss_bytes"] for seed in seeds) / 2**30
+    t_mem = max(trl_res[seed]["peak_rss_bytes"] for seed in seeds) / 2**30
+    o_wall = statistics.median(ours[seed]["process_wall_s"] for seed in seeds)
+    t_wall = statistics.median(trl_res[seed]["process_wall_s"] for seed in seeds)
+    o_rew, t_rew = statistics.mean(pooled(ours, "reward")), statistics.mean(pooled(trl_res, "reward"))
     k = ev["n"]
     before = ev["before"]["accuracy"]
-    o_acc, t_acc = ev["ours"]["accuracy"], ev["trl"]["accuracy"]
+    o_accs = [ev[f"ours/{seed}"]["accuracy"] for seed in seeds]
+    t_accs = [ev[f"trl/{seed}"]["accuracy"] for seed in seeds]
+    o_acc, t_acc = statistics.mean(o_accs), statistics.mean(t_accs)
 
-    def acc(p: float) -> str:
-        lo, hi = wilson(p, k)
+    def acc(p: float, trials: int = k) -> str:
+        lo, hi = wilson(p, trials)
         return f"{p:.3f} [{lo:.2f}, {hi:.2f}]"
 
     def steps(values: list[float], fmt: str) -> str:
         return ", ".join(format(v, fmt) for v in values)
 
+    def per_seed(values: list[float]) -> str:
+        return ", ".join(f"{v:.3f}" for v in values)
+
+    diffs = [o - t for o, t in zip(o_accs, t_accs)]
+    paired = ""
+    if len(seeds) > 1:
+        sd = statistics.stdev(diffs)
+        paired = f"mean {statistics.mean(diffs):+.3f}, sd over seeds {sd:.3f}"
+    seed_note = (
+        f"seed {seeds[0]}"
+        if len(seeds) == 1
+        else f"seeds {', '.join(map(str, seeds))}: each side runs once per seed (same problems in the same order, "
+        "only the sampling differs); step times, tokens/s and memory pool all seeds, rewards per step are means over seeds"
+    )
     loo = spec["baseline"] == "leave-one-out"
     lines = [
         f"# grpoflow vs TRL GRPOTrainer ({spec['steps']} steps)",
         "",
-        f"Command: `{command}` (total {total_wall / 60:.1f} min, sides run one after the other).",
-        f"Machine: nproc {m['nproc']}, {m['cpu']}, {m['mem']} RAM; torch threads ours {ours['torch_threads']}, TRL {trl_res['torch_threads']}.",
-        f"Versions: torch {version('torch')}, transformers {version('transformers')}, trl {trl_res['trl_version']}, "
+        f"Command: `{command}` (total {total_wall / 60:.1f} min, sides run one after the other"
+        + (f"; {reused} side runs reused from the work folder, their times are those of their own run" if reused else "")
+        + ").",
+        f"Machine: nproc {m['nproc']}, {m['cpu']}, {m['mem']} RAM; torch threads ours {first[0]['torch_threads']}, TRL {first[1]['torch_threads']}.",
+        f"Versions: torch {version('torch')}, transformers {version('transformers')}, trl {first[1]['trl_version']}, "
         f"flytekit {version('flytekit')}, mlflow {version('mlflow')}.",
         "",
         f"**Precision: ours {spec['precision']}, TRL {spec['trl_precision']}** (bfloat16 = mixed precision with float32 master "
-        "weights: ours `model.precision: bfloat16`, the LM head in float32; TRL `bf16=True`, HF Trainer's CPU autocast); held-out "
+        "weights: ours `model.precision: bfloat16`, the LM head's matmul in bf16 with the target and top-8 logits exact in float32, "
+        "`rl.lm_head`; TRL `bf16=True`, HF Trainer's CPU autocast); held-out "
         "evaluation in float32 for every model. Same model folder (`" + spec["model_path"] + "`), same training problems in the "
         f"same order ({spec['data']['dataset']} {spec['data']['dataset_kwargs']}, seed {spec['data']['seed']}; step k uses "
         "problems (k-1)*B .. k*B-1), same chat-formatted prompts (system prompt "
-        f"{spec['data']['system_prompt']!r}; token ids identical: {trl_res['prompts_identical']}), same reward (`rl.data.score`).",
+        f"{spec['data']['system_prompt']!r}; token ids identical: {first[1]['prompts_identical']}), same reward (`rl.data.score`).",
         "",
         f"Settings, both sides: {spec['prompts']} prompts x {spec['generations']} completions per step ({n} samples, one optimizer "
         f"update), max {spec['max_new_tokens']} new tokens, temperature {spec['temperature']}, top-p 1, top-k off, lr {spec['lr']:g} "
@@ -442,27 +489,29 @@ def report(spec: dict, ours: dict, trl_res: dict, ev: dict, command: str, total_
         f"KL k3 beta {spec['beta']:g}, ratio clip {spec['clip']:g}/{spec['clip']:g}, token-level loss over the active tokens of the step "
         f"batch (TRL `loss_type=\"dapo\"`), group std normalization (TRL `scale_rewards=\"group\"`), one update per batch "
         f"(TRL `num_iterations=1`), micro-batch ours {spec['micro_batch']}, TRL {spec['trl_micro_batch']} (gradient accumulation "
-        f"{n // spec['trl_micro_batch']}; each side's faster setting here: TRL at 32 took ~44 s per step), "
-        "no vLLM, seed " + str(spec["seed"]) + ".",
+        f"{n // spec['trl_micro_batch']}), "
+        "no vLLM, " + seed_note + ".",
         "",
         "| | ours (grpoflow, Flyte local) | TRL GRPOTrainer | ours / TRL |",
         "|---|---:|---:|---:|",
         f"| median step wall time (s) | {o_med:.2f} | {t_med:.2f} | {ratio(o_med, t_med)} |",
         f"| median step wall time, ours without weight saving (s) | {statistics.median(o_ex):.2f} | {t_med:.2f} | {ratio(statistics.median(o_ex), t_med)} |",
-        f"| step wall times (s) | {steps(ours['step_time_s'], '.2f')} | {steps(trl_res['step_time_s'], '.2f')} | |",
-        f"| generated tokens per step | {steps(ours['generated_tokens'], '.0f')} | {steps(trl_res['generated_tokens'], '.0f')} | |",
+        f"| step wall times (s{'' if len(seeds) == 1 else ', first seed'}) | {steps(first[0]['step_time_s'], '.2f')} | {steps(first[1]['step_time_s'], '.2f')} | |",
+        f"| generated tokens per step | {steps(step_means(ours, 'generated_tokens'), '.0f')} | {steps(step_means(trl_res, 'generated_tokens'), '.0f')} | |",
         f"| generated tokens/s (median over steps of tokens / step time) | {o_rate:.1f} | {t_rate:.1f} | {ratio(o_rate, t_rate)} |",
         f"| peak RSS of the side's process (GiB) | {o_mem:.2f} | {t_mem:.2f} | {ratio(o_mem, t_mem)} |",
-        f"| process wall time, incl. imports, model loading, saving (s) | {ours['process_wall_s']:.1f} | {trl_res['process_wall_s']:.1f} | {ratio(ours['process_wall_s'], trl_res['process_wall_s'])} |",
-        f"| training reward per step | {steps(ours['reward'], '.3f')} | {steps(trl_res['reward'], '.3f')} | |",
+        f"| process wall time, incl. imports, model loading, saving (s) | {o_wall:.1f} | {t_wall:.1f} | {ratio(o_wall, t_wall)} |",
+        f"| training reward per step | {steps(step_means(ours, 'reward'), '.3f')} | {steps(step_means(trl_res, 'reward'), '.3f')} | |",
         f"| mean training reward over steps | {o_rew:.3f} | {t_rew:.3f} | {ratio(o_rew, t_rew)} |",
         f"| greedy held-out accuracy before (initial model, shared) [95% CI] | {acc(before)} | {acc(before)} | 1.00 |",
-        f"| greedy held-out accuracy after [95% CI] | {acc(o_acc)} | {acc(t_acc)} | {ratio(o_acc, t_acc)} |",
+        f"| greedy held-out accuracy after [95% CI{'' if len(seeds) == 1 else ', pooled over seeds'}] | {acc(o_acc, k * len(seeds))} | {acc(t_acc, k * len(seeds))} | {ratio(o_acc, t_acc)} |",
+        *([f"| held-out accuracy after, per seed | {per_seed(o_accs)} | {per_seed(t_accs)} | ours - TRL: {paired} |"] if len(seeds) > 1 else []),
         "",
         f"Held-out: {k} problems from `rl.data.val_problems` (val seed {spec['data']['val_seed']}, the validation split by question "
         f"hash, never trained on), greedy, max {spec['max_new_tokens']} new tokens, scored with `rl.data.score` "
         f"(accuracy = share with reward 1). Mean greedy length before {ev['before']['mean_length']:.1f}, after: ours "
-        f"{ev['ours']['mean_length']:.1f}, TRL {ev['trl']['mean_length']:.1f} tokens.",
+        f"{statistics.mean(ev[f'ours/{s}']['mean_length'] for s in seeds):.1f}, TRL "
+        f"{statistics.mean(ev[f'trl/{s}']['mean_length'] for s in seeds):.1f} tokens.",
         "",
         "Settings that differ between the sides:",
         "",
@@ -491,15 +540,15 @@ def report(spec: dict, ours: dict, trl_res: dict, ev: dict, command: str, total_
         f"entropy in its training forward. Reference logprobs in batches of the micro-batch size; TRL shuffles the step's "
         "rows before splitting them into micro-batches (same gradient).",
         "- TRL step split (medians): "
-        f"{_med(trl_res.get('until_optimizer_s'))} s from step begin to the optimizer step (generation, logprobs, forward/backward, "
-        f"grad clip), {_med(trl_res.get('optimizer_s'))} s in `optimizer.step`; TRL's own logged `step_time` (its `training_step` "
-        f"calls only) {_med(trl_res.get('trl_step_time_s'))} s.",
+        f"{_med(pooled(trl_res, 'until_optimizer_s'))} s from step begin to the optimizer step (generation, logprobs, forward/backward, "
+        f"grad clip), {_med(pooled(trl_res, 'optimizer_s'))} s in `optimizer.step`; TRL's own logged `step_time` (its `training_step` "
+        f"calls only) {_med(pooled(trl_res, 'trl_step_time_s'))} s.",
         "- generated tokens: both count the eos token of completions that end; TRL's come from its logged "
         "`completions/mean_length` x samples per step.",
     ]
-    if not trl_res["prompts_identical"]:
+    if not first[1]["prompts_identical"]:
         lines.append("- WARNING: TRL's chat-template token ids differ from ours for some prompts.")
-    if not trl_res["reward_roundtrip_ok"]:
+    if not first[1]["reward_roundtrip_ok"]:
         lines.append("- WARNING: scoring through the dataset's JSON entry column differs from scoring the original entry.")
     return "\n".join(lines)
 
@@ -519,7 +568,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=32, help="ours: samples per forward/backward (capped at B*G)")
     parser.add_argument("--trl-micro-batch", type=int, default=8, help="TRL: per_device_train_batch_size (capped at B*G)")
     parser.add_argument("--heldout", type=int, default=64, help="held-out problems for greedy accuracy")
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seed", type=int, default=42, help="sampling seed of both sides (one run each)")
+    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")],
+                        help="comma-separated seeds: one run of each side per seed (overrides --seed), e.g. 42,43,44")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="bfloat16",
                         help="training/generation precision of ours (bfloat16: mixed, float32 master weights)")
     parser.add_argument("--trl-precision", choices=["float32", "bfloat16"], help="TRL's precision (default: --precision)")
@@ -527,6 +578,8 @@ def main() -> None:
                         help="ours' baseline: 'mean' matches TRL; 'leave-one-out' is ours' default")
     parser.add_argument("--out", default="bench/results/vs_trl.md", help="markdown result file (relative to the repo)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the temp folder (data plane, MLflow, models)")
+    parser.add_argument("--workdir", help="work in this folder and keep it; sides whose results are already there are "
+                        "reused (resumes an interrupted run with the same settings)")
     parser.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -541,10 +594,16 @@ def main() -> None:
     micro, trl_micro = min(args.micro_batch, n), min(args.trl_micro_batch, n)
     if n % micro or n % trl_micro:
         parser.error(f"--micro-batch {micro} and --trl-micro-batch {trl_micro} must divide prompts x generations = {n}")
+    if args.heldout < 1:
+        parser.error(f"--heldout {args.heldout}: use at least 1 held-out problem")
+    seeds = args.seeds or [args.seed]
+    if len(set(seeds)) != len(seeds):
+        parser.error(f"--seeds {seeds} repeats a seed; give distinct seeds")
     from rl.model import resolve_model
 
     command = "python bench/vs_trl.py" + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "")
-    work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vs_trl-"))
+    work.mkdir(parents=True, exist_ok=True)
     spec = {
         "steps": args.steps,
         "prompts": args.prompts,
@@ -559,7 +618,8 @@ def main() -> None:
         "micro_batch": micro,
         "trl_micro_batch": trl_micro,
         "heldout": args.heldout,
-        "seed": args.seed,
+        "seed": seeds[0],
+        "seeds": seeds,
         "precision": args.precision,
         "trl_precision": args.trl_precision or args.precision,
         "baseline": args.ours_baseline,
@@ -567,20 +627,41 @@ def main() -> None:
         "workdir": str(work),
     }
     spec["data"] = data_settings(spec)
-    spec_path = work / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
+    from rl.data import val_problems
+
+    d = spec["data"]
+    try:  # the held-out set must exist before any side runs
+        val_problems(dataset=d["dataset"], dataset_kwargs=d["dataset_kwargs"], seed=d["val_seed"], val_fraction=d["val_fraction"], count=args.heldout)
+    except ValueError as e:
+        parser.error(f"--heldout {args.heldout}: {e}")
     t0 = time.perf_counter()
     try:
-        ours = run_child("ours", spec_path, work / "ours.json")
-        trl_res = run_child("trl", spec_path, work / "trl.json")
-        spec["eval_models"] = {"before": spec["model_path"], "ours": ours["final_model"], "trl": trl_res["final_model"]}
+        ours: dict[int, dict] = {}
+        trl_res: dict[int, dict] = {}
+        models = {"before": spec["model_path"]}
+        for seed in seeds:  # the same problems in the same order; only the sampling seed changes
+            seed_spec = {k: v for k, v in spec.items() if k != "seeds"} | {"seed": seed, "workdir": str(work / f"seed{seed}")}
+            Path(seed_spec["workdir"]).mkdir(exist_ok=True)
+            seed_path = work / f"spec_seed{seed}.json"
+            stored = json.loads(seed_path.read_text()) if seed_path.exists() else None
+            if stored is not None and {k: v for k, v in stored.items() if k != "seeds"} != json.loads(json.dumps(seed_spec)):
+                msg = f"{work} holds a run of seed {seed} with other settings ({seed_path}); use another --workdir"
+                raise SystemExit(msg)
+            seed_path.write_text(json.dumps(seed_spec, indent=2))
+            ours[seed] = run_child("ours", seed_path, work / f"ours_seed{seed}.json")
+            trl_res[seed] = run_child("trl", seed_path, work / f"trl_seed{seed}.json")
+            models[f"ours/{seed}"], models[f"trl/{seed}"] = ours[seed]["final_model"], trl_res[seed]["final_model"]
+        spec["eval_models"] = models
+        spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=2))
+        (work / "eval.json").unlink(missing_ok=True)  # the models to evaluate may have changed
         ev = run_child("eval", spec_path, work / "eval.json")
         total = time.perf_counter() - t0
-        text = report(spec, ours, trl_res, ev, command, total)
+        reused = sum(bool(r.get("reused")) for res in (ours, trl_res) for r in res.values())
+        text = report(spec, ours, trl_res, ev, command, total, reused)
         raw = {"spec": spec, "ours": ours, "trl": trl_res, "eval": ev}
     finally:
-        if args.keep_workdir:
+        if args.keep_workdir or args.workdir:
             print(f"[vs_trl] kept {work}", flush=True)
         else:
             import shutil

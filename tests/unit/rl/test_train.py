@@ -128,3 +128,34 @@ def test_shared_prompts_are_encoded_once_with_the_same_values_and_gradients(tiny
         # HF's eager attention takes its softmax in float32 even in a float64 model: the prefix's gradient (summed
         # over the group before that softmax's backward, instead of after) differs at float32 rounding only
         assert ((a - b).norm() / b.norm()).item() < 1e-6
+
+
+def test_the_update_follows_the_plain_forward_gradient_of_the_grpo_loss(tiny64):
+    """train_on_batch's gradient (shared-prompt forward, packed LM head, row-wise embedding gradients into the tied
+    input/output embedding) equals the GRPO loss differentiated through the model's own full forward."""
+    from rl.loss import kl_penalty
+
+    class Capture(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.0})
+
+        def step(self, closure=None):
+            self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+
+    batch, cfg = _batch(seed=3), _cfg(4)
+    batch["reference_policy_logprobs"] = torch.full_like(batch["reference_policy_logprobs"], -10.0)  # KL unclamped
+    model = copy.deepcopy(tiny64)
+    opt = Capture(list(model.parameters()))
+    metrics = train_on_batch(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), batch, cfg)
+
+    ids, lengths, tm = batch["input_ids"], batch["input_lengths"], batch["token_mask"]
+    logits = tiny64(input_ids=ids, attention_mask=(torch.arange(12)[None] < lengths[:, None]).long()).logits
+    lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [M, S-1]
+    per_token = -batch["advantages"][:, 1:] * torch.exp(lp - lp.detach()) + 0.1 * kl_penalty(lp, batch["reference_policy_logprobs"][:, 1:])
+    mask = tm[:, 1:].double()
+    loss = (per_token * mask).sum() / mask.sum()
+    plain = torch.autograd.grad(loss, list(tiny64.parameters()))
+    assert metrics["loss"] == pytest.approx(float(loss.detach()), rel=1e-9)
+    assert tiny64.get_input_embeddings().weight is tiny64.get_output_embeddings().weight  # the tied case is covered
+    for (name, _), a, b in zip(tiny64.named_parameters(), opt.grads, plain, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 1e-6, name  # float32 attention softmax, as in the test above
