@@ -61,10 +61,14 @@ def test_micro_batches_1x8_and_8x1_give_the_same_update(tiny64, token_level):
         metrics = train_on_batch(model, opt, sched, _batch(), cfg)
         results.append((model, metrics))
     (a, ma), (b, mb) = results
+    # Not bit-equal even in float64: transformers' Llama rounds to float32 inside RMSNorm and the eager softmax, so
+    # the 1e-16 differences of differently blocked matmuls can flip a float32 rounding (gradients then differ by
+    # ~1e-8 relative; measured 2.3e-10 on the grad norm, 6e-7 on a parameter after one lr-1e-3 AdamW step). A
+    # mis-scaled micro-batch sum is off by a factor (e.g. 8) in the grad norm and by ~lr in the parameters.
     assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-10)
-    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-10)
+    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-8)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        assert (p - q).abs().max().item() < 1e-10, name
+        assert (p - q).abs().max().item() < 1e-5, name
     assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), tiny64.parameters()))
 
 
