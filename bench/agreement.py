@@ -7,14 +7,14 @@ the same run:
 
 1. gradient: one step's batch (8 prompts x 8 completions sampled by ours, rewards, group-mean advantages,
    reference logprobs) and the GRPO loss (token-level, k3 KL, beta 0.01) differentiated three ways: our training
-   path (`rl.train.train_on_batch`: shared-prompt forward, packed LM head, row-wise embedding gradients) in
+   path (`rl.backends.hf.train.train_on_batch`: shared-prompt forward, packed LM head, row-wise embedding gradients) in
    bfloat16 and in float32, and the plain full-sequence HF forward with `log_softmax` over the vocabulary (as
    TRL computes it) under bf16 autocast; each is compared with the plain forward in float32 (cosine over all
    parameters and per group, norm ratio, share of entries with the same sign);
 2. update: one AdamW step (lr 1e-5, grad clip 1) by `train_on_batch` vs by the plain gradient + `torch.optim.AdamW`
    from the same weights: parameter change norms and cosine, and the k3 KL to the initial model that each
    update produces on the batch, measured with bf16 and with float32 forwards;
-3. sampling: K completions per prompt for 16 prompts from the initial model with ours (`rl.generation.generate`,
+3. sampling: K completions per prompt for 16 prompts from the initial model with ours (`rl.backends.hf.decode.generate`,
    bf16 and float32) and with transformers `generate` (as TRL calls it, with and without bf16 autocast): mean
    reward, length and truncated share with standard errors.
 
@@ -37,8 +37,8 @@ def _rollout_batch(model, tok, cfg, problems):
     """One step's padded training batch from ours' sampler, as `train_on_batch` takes it."""
     from rl.advantages import compute_advantages
     from rl.data import prompt_token_ids, score
-    from rl.generation import generate
-    from rl.logprobs import batched_logprobs
+    from rl.backends.hf.decode import generate
+    from rl.backends.hf.logprobs import batched_logprobs
 
     d = cfg.data
     prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems for _ in range(G)]
@@ -105,8 +105,8 @@ GROUPS = {"all parameters": "", "embedding (tied LM head)": "embed_tokens", "att
 
 
 def check_gradient(path: str, batch: dict, cfg_for) -> list[str]:
-    from rl.model import load_model
-    from rl.train import train_on_batch
+    from rl.backends.hf.model import load_model
+    from rl.backends.hf.train import train_on_batch
 
     grads: dict[str, dict[str, torch.Tensor]] = {}
     seconds: dict[str, float] = {}
@@ -141,10 +141,10 @@ def check_gradient(path: str, batch: dict, cfg_for) -> list[str]:
 
 
 def check_update(path: str, batch: dict, cfg_for) -> list[str]:
-    from rl.logprobs import batched_logprobs
+    from rl.backends.hf.logprobs import batched_logprobs
     from rl.loss import kl_penalty
-    from rl.model import load_model
-    from rl.train import make_optimizer, train_on_batch
+    from rl.backends.hf.model import load_model
+    from rl.backends.hf.train import make_optimizer, train_on_batch
 
     initial = load_model(path)
     w0 = {k: v.detach().clone() for k, v in initial.named_parameters()}
@@ -179,8 +179,8 @@ def check_update(path: str, batch: dict, cfg_for) -> list[str]:
 
 def check_sampling(path: str, tok, cfg, k: int) -> list[str]:
     from rl.data import prompt_token_ids, score, train_problems
-    from rl.generation import generate
-    from rl.model import load_model
+    from rl.backends.hf.decode import generate
+    from rl.backends.hf.model import load_model
 
     d = cfg.data
     problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=16)
@@ -204,7 +204,7 @@ def check_sampling(path: str, tok, cfg, k: int) -> list[str]:
         t0 = time.perf_counter()
         gen = generate(model, tok, [x for x in prompts for _ in range(k)], max_new_tokens=32, batch_size=128, precision=precision)
         texts = tok.batch_decode(gen.response_token_ids, skip_special_tokens=True)
-        lines.append(row(f"ours `rl.generation.generate`, {precision}", texts, gen.response_lengths.tolist(), time.perf_counter() - t0))
+        lines.append(row(f"ours `rl.backends.hf.decode.generate`, {precision}", texts, gen.response_lengths.tolist(), time.perf_counter() - t0))
     hf = load_model(path, attn_implementation="sdpa")
     side = tok.padding_side
     tok.padding_side = "left"
@@ -237,7 +237,8 @@ def main() -> None:
 
     from rl.config import config_from_dict
     from rl.data import train_problems
-    from rl.model import load_model, load_tokenizer, resolve_model
+    from rl.backends.hf.model import load_model
+    from rl.model import load_tokenizer, resolve_model
     from tasks.runtime import set_threads
 
     set_threads()

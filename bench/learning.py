@@ -50,7 +50,8 @@ def pass_at_k(cfg, k: int) -> dict[str, list[bool]]:
     import torch
 
     from rl.data import val_problems
-    from rl.model import load_model, load_tokenizer, resolve_model
+    from rl.backends.hf.model import load_model
+    from rl.model import load_tokenizer, resolve_model
     from rl.rollout import generate_groups
 
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
     python -m bench.micro_batch [--sizes 8,16,32] [--repeats 3] [--out bench/results/micro_batch.md]
 
 One step's batch (8 prompts x 8 completions of the real model, sampled by ours, as in `bench.agreement`), then
-`rl.train.train_on_batch` in bf16 at each micro-batch size, each in a fresh subprocess (peak RSS is per
+`rl.backends.hf.train.train_on_batch` in bf16 at each micro-batch size, each in a fresh subprocess (peak RSS is per
 process; the sizes take turns, `--repeats` rounds, medians reported): wall time of the update and how far it raises the process's peak RSS
 above the model, its AdamW state and the rollout that made the batch. Same batch and same gradient at every size (micro-batches only split the
 sum); larger micro-batches run fewer, larger matmuls and hold more activations.
@@ -29,8 +29,9 @@ def measure(size: int) -> dict:
     from bench.agreement import _rollout_batch
     from rl.config import config_from_dict
     from rl.data import train_problems
-    from rl.model import load_model, load_tokenizer, resolve_model
-    from rl.train import make_optimizer, train_on_batch
+    from rl.backends.hf.model import load_model
+    from rl.model import load_tokenizer, resolve_model
+    from rl.backends.hf.train import make_optimizer, train_on_batch
     from tasks.runtime import set_threads
 
     set_threads()

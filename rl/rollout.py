@@ -17,7 +17,8 @@ from dataplane.codec import nested_from_values
 from rl.config import GRPOConfig
 from rl.data import Problem, prompt_token_ids, score, train_problems
 from rl.filters import informative_groups, overlong_mask
-from rl.generation import generate
+from rl.backends.interfaces import GenerationBackend
+from rl.seeding import step_seed
 
 
 @dataclass
@@ -46,20 +47,13 @@ class Groups:
             getattr(self, name).extend(value)
 
 
-def generate_groups(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: GRPOConfig, *, group_size: int, greedy: bool) -> Groups:
-    """Generate ``group_size`` completions per problem and score each with the dataset's ``score_answer``."""
+def generate_groups(
+    generator: GenerationBackend, tokenizer: Any, problems: list[Problem], cfg: GRPOConfig, *, group_size: int, greedy: bool, seed: int
+) -> Groups:
+    """Generate ``group_size`` completions per problem with ``generator`` (sampling seeded by ``seed``) and score each
+    with the dataset's ``score_answer``."""
     prompts = [prompt_token_ids(tokenizer, p.question, cfg.data.system_prompt) for p in problems]
-    gen = generate(
-        model,
-        tokenizer,
-        [ids for ids in prompts for _ in range(group_size)],
-        max_new_tokens=cfg.generation.max_new_tokens,
-        temperature=cfg.generation.temperature,
-        top_p=cfg.generation.top_p,
-        greedy=greedy,
-        batch_size=cfg.generation.batch_size,
-        precision=cfg.model.precision,
-    )
+    gen = generator.generate(prompts, group_size=group_size, seed=seed, greedy=greedy)
     responses = tokenizer.batch_decode(gen.response_token_ids, skip_special_tokens=True)
     owners = [p for p in problems for _ in range(group_size)]
     return Groups(
@@ -75,12 +69,13 @@ def generate_groups(model: torch.nn.Module, tokenizer: Any, problems: list[Probl
     )
 
 
-def sample_step(model: torch.nn.Module, tokenizer: Any, cfg: GRPOConfig, *, step: int) -> tuple[Groups, torch.Tensor, dict[str, float]]:
+def sample_step(generator: GenerationBackend, tokenizer: Any, cfg: GRPOConfig, *, step: int) -> tuple[Groups, torch.Tensor, dict[str, float]]:
     """The B groups of ``step``; with dynamic sampling, generation batches until B informative groups.
 
     Generation batch i of step k uses training problems ``((k-1) * M + i) * B ..`` (M =
-    ``dynamic_sampling_max_gen_batches``, 1 without dynamic sampling), so every step's data is fixed by
-    its number: a resumed run sees the same problems.
+    ``dynamic_sampling_max_gen_batches``, 1 without dynamic sampling) and the sampling seed
+    ``step_seed(grpo.seed, k, f"rollout/{i}")``, so every step's data and samples are fixed by its number: a
+    resumed or retried step draws the same completions.
 
     Returns:
         ``(groups, sample_mask [N] bool, metrics)``.
@@ -98,7 +93,8 @@ def sample_step(model: torch.nn.Module, tokenizer: Any, cfg: GRPOConfig, *, step
             start=((step - 1) * max_batches + i) * b, count=b,
         )
         t0 = time.perf_counter()
-        batch = generate_groups(model, tokenizer, problems, cfg, group_size=g, greedy=False)
+        seed = step_seed(cfg.grpo.seed, step, f"rollout/{i}")
+        batch = generate_groups(generator, tokenizer, problems, cfg, group_size=g, greedy=False, seed=seed)
         gen_s += time.perf_counter() - t0
         seen_rewards += batch.rewards
         mask = _sample_mask(batch, cfg)

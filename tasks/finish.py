@@ -23,8 +23,9 @@ def _log_model(c, cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> None:
 @task(enable_deck=True)
 def finish_run(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, validation_accuracy: float) -> RunSummary:
     """Log the reward/accuracy plot and the last checkpoint's location, mark the MLflow run finished."""
-    from tasks import plots, saving, tracking
+    from tasks import plots, runtime, saving, tracking
 
+    runtime.release(run)  # this process's engines and trainer of the run are done
     saving.prune_finished(cfg, run)
     c = tracking.client(cfg.tracking.uri)
     history = {key: [(m.step, m.value) for m in c.get_metric_history(run.mlflow_run_id, key)] for key in plots.CURVES}

@@ -19,15 +19,13 @@ def rollout(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int) -> 
     sampling and overlong filtering when they are on)."""
     from dataplane import paths
     from rl.rollout import STEP_SCHEMA, sample_step, to_columns
-    from rl.seeding import seed_all, step_seed
     from tasks import runtime
 
     started = time.time()
     runtime.set_threads()
     g = cfg.grpo.num_generations_per_prompt
-    seed_all(step_seed(cfg.grpo.seed, step, "rollout"))
-    model = runtime.peek_policy(cfg, run, policy)
-    groups, sample_mask, metrics = sample_step(model, runtime.tokenizer(run.model_path), cfg, step=step)
+    generator = runtime.generation(cfg, run, policy)  # sampling is seeded per call, from the step number
+    groups, sample_mask, metrics = sample_step(generator, runtime.tokenizer(run.model_path), cfg, step=step)
     columns = to_columns(groups, sample_mask, group_size=g, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
     partition = paths.step_partition(step)

@@ -1,17 +1,20 @@
-"""Process-local state shared by tasks of one local run: the data-plane client, the tokenizer, the
-reference policy and the live trainer state, so a local run loads each model once. On a cluster every
-task starts cold and falls back to storage.
+"""Process-local state of a run's tasks: the data-plane client, the tokenizer, and the back-ends cached per
+(run, role), so a local run loads each model once and refits generation from the live trainer in place. On a
+cluster every task starts cold and loads what it needs from storage.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from rl.backends.interfaces import GenerationBackend, PolicyBackend
 from rl.config import GRPOConfig
 from tasks.types import PolicyVersion, RunInfo
+
+_BACKENDS: dict[tuple[str, str], Any] = {}
+"""(run_id, role) -> back-end object; roles ``generation`` and ``policy``."""
 
 
 def set_threads() -> None:
@@ -35,69 +38,51 @@ def tokenizer(path: str) -> Any:
     return load_tokenizer(path)
 
 
-@lru_cache(maxsize=2)
-def reference_policy(path: str) -> Any:
-    from rl.model import load_model
+def generation(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> GenerationBackend:
+    """The run's generation back-end holding the weights of ``policy``.
 
-    model = load_model(path)
-    model.requires_grad_(False)
-    return model
+    It refits only when it holds another version: in place from the live policy back-end when that one is at
+    ``policy.step`` (a warm process: no disk round trip), else from ``policy.path`` (a cold one).
+    """
+    from rl.backends import registry
 
-
-@dataclass
-class LiveState:
-    run_id: str
-    step: int
-    model: Any
-    optimizer: Any
-    scheduler: Any
-
-
-_LIVE: dict[str, LiveState] = {}
+    gen = _BACKENDS.get((run.run_id, "generation"))
+    if gen is None:
+        cls = registry.load("generation", cfg.generation.backend)
+        gen = _BACKENDS[(run.run_id, "generation")] = cls(cfg, tokenizer=tokenizer(run.model_path), model_path=run.model_path)
+    if gen.weight_version != policy.step:
+        live = _BACKENDS.get((run.run_id, "policy"))
+        warm = live is not None and live.weight_version == policy.step
+        gen.refit(policy, weights=live.named_weights() if warm else None)
+    return gen
 
 
-def peek_policy(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Any:
-    """The policy model at ``policy`` for inference: the live one if it is that version, else loaded."""
-    live = _LIVE.get(run.run_id)
-    if live is not None and live.step == policy.step:
-        return live.model
-    if policy.step == 0:  # the trainer starts from this model: load it once for both
-        return take_trainer(cfg, run, policy).model
-    from rl.checkpoint import local_copy
-    from rl.model import load_model
-
-    return load_model(local_copy(policy.path, cfg.dataplane.storage_options))
-
-
-def discard_trainer(run: RunInfo) -> None:
-    """Forget this process's trainer state of ``run`` (after a failed update it may be half-way)."""
-    _LIVE.pop(run.run_id, None)
-
-
-def take_trainer(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> LiveState:
-    """The trainer state at ``policy`` (model, optimizer, scheduler): live, fresh at step 0, or a checkpoint.
+def policy(cfg: GRPOConfig, run: RunInfo, version: PolicyVersion | None = None, *, training: bool = False) -> PolicyBackend:
+    """The run's policy back-end; with ``version``, holding those weights (and, with ``training``, their optimizer
+    state). Without ``version`` it may hold none: enough for reference-policy logprobs.
 
     Raises:
-        RuntimeError: no optimizer state for that step in this process or on storage.
+        RuntimeError: ``training`` but no optimizer state for ``version`` exists in this process or on storage.
     """
-    live = _LIVE.get(run.run_id)
-    if live is not None and live.step == policy.step:
-        return live
-    from rl import checkpoint
-    from rl.model import load_model
-    from rl.train import make_optimizer
+    from rl.backends import registry
 
-    if policy.step != 0 and not checkpoint.has_trainer_state(policy.path, cfg.dataplane.storage_options):
-        msg = (
-            f"no optimizer state for step {policy.step} of run {run.run_id} in this process or at {policy.path}; "
-            "tasks that run in separate processes (a remote cluster) need checkpointing.checkpoint_period: 1"
-        )
-        raise RuntimeError(msg)
-    folder = checkpoint.local_copy(policy.path, cfg.dataplane.storage_options)
-    model = load_model(folder)
-    optimizer, scheduler = make_optimizer(model, cfg)
-    if policy.step != 0:
-        checkpoint.load_trainer_state(folder, optimizer, scheduler)
-    state = LiveState(run.run_id, policy.step, model, optimizer, scheduler)
-    _LIVE[run.run_id] = state
-    return state
+    pol = _BACKENDS.get((run.run_id, "policy"))
+    if pol is None:
+        cls = registry.load("policy", cfg.policy.backend)
+        pol = _BACKENDS[(run.run_id, "policy")] = cls(cfg, tokenizer=tokenizer(run.model_path), reference_path=run.model_path)
+    if version is not None and (pol.weight_version != version.step or (training and not pol.has_optimizer_state(version))):
+        pol.load_checkpoint(version, with_optimizer=training)
+    return pol
+
+
+def discard(run: RunInfo, role: str) -> None:
+    """Shut down and forget this process's ``role`` back-end of ``run`` (after a failed update it may be half-way)."""
+    backend = _BACKENDS.pop((run.run_id, role), None)
+    if backend is not None:
+        backend.shutdown()
+
+
+def release(run: RunInfo) -> None:
+    """Shut down every back-end of ``run`` in this process (the run is over)."""
+    for role in ("generation", "policy"):
+        discard(run, role)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from rl.backends.interfaces import PolicyBackend
 from rl.config import GRPOConfig
-from tasks.runtime import LiveState
 from tasks.types import PolicyVersion, RunInfo
 
 
@@ -13,32 +11,27 @@ def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
     return step % cfg.checkpointing.checkpoint_period == 0 or step == cfg.grpo.max_num_steps
 
 
-def save_policy(cfg: GRPOConfig, run: RunInfo, state: LiveState, tokenizer: Any, *, started_from: PolicyVersion) -> PolicyVersion:
-    """Save the weights of ``state.step``: with trainer state under ``checkpoints/`` when due (keeping the
+def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, started_from: PolicyVersion) -> PolicyVersion:
+    """Save the weights of ``backend.weight_version``: with trainer state under ``checkpoints/`` when due (keeping the
     newest ``keep_last_k``), otherwise weights only under ``weights/`` (keeping the newest one). The policy the
     step ``started_from`` is kept too, so that a retry of this step finds its input; the next step prunes it."""
     from dataplane import paths
     from rl import checkpoint
 
     root, so = cfg.dataplane.root, cfg.dataplane.storage_options
-    if checkpoint_due(cfg, state.step):
-        url = paths.checkpoint_dir(root, run.run_id, state.step)
-        checkpoint.save(
-            url,
-            model=state.model,
-            tokenizer=tokenizer,
-            optimizer=state.optimizer,
-            scheduler=state.scheduler,
-            state=checkpoint.TrainerState(step=state.step, mlflow_run_id=run.mlflow_run_id, extra={"data_position": state.step}),
-            storage_options=so,
-        )
+    step = backend.weight_version
+    assert step is not None
+    if checkpoint_due(cfg, step):
+        url = paths.checkpoint_dir(root, run.run_id, step)
+        state = checkpoint.TrainerState(step=step, mlflow_run_id=run.mlflow_run_id, extra={"data_position": step})
+        backend.save_checkpoint(url, trainer_state=state)
         checkpoint.prune(paths.checkpoints_dir(root, run.run_id), cfg.checkpointing.keep_last_k, so, keep=started_from.path)
         checkpoint.prune(paths.weights_dir(root, run.run_id), 0, so, keep=started_from.path)
     else:
-        url = paths.weights_step_dir(root, run.run_id, state.step)
-        checkpoint.save(url, model=state.model, tokenizer=tokenizer, storage_options=so)
+        url = paths.weights_step_dir(root, run.run_id, step)
+        backend.save_checkpoint(url)
         checkpoint.prune(paths.weights_dir(root, run.run_id), 1, so, keep=started_from.path)
-    return PolicyVersion(step=state.step, path=url)
+    return PolicyVersion(step=step, path=url)
 
 
 def prune_finished(cfg: GRPOConfig, run: RunInfo) -> None:

@@ -23,7 +23,6 @@ def train(
     from dataplane import fields as F
     from dataplane import paths
     from rl.seeding import seed_all, step_seed
-    from rl.train import train_on_batch
     from tasks import runtime, saving, tracking
 
     started = time.time()
@@ -31,21 +30,18 @@ def train(
     step = policy.step + 1
     meta = batch.join(prev, ref)
     dp = runtime.dataplane(cfg, run)
-    tok = runtime.tokenizer(run.model_path)
     wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
-    data = dp.read(meta, wanted, pad_value_dict={F.INPUT_IDS: tok.pad_token_id})
-    state = runtime.take_trainer(cfg, run, policy)
+    backend = runtime.policy(cfg, run, policy, training=True)
     seed_all(step_seed(cfg.grpo.seed, step, "train"))  # the checkpoint's RNG state is a function of the step
     try:
-        metrics = train_on_batch(state.model, state.optimizer, state.scheduler, data, cfg)
-        state.step = step
+        metrics, data = backend.train_from_meta(meta, dp, fields=wanted)
         trained = time.time()
-        new_policy = saving.save_policy(cfg, run, state, tok, started_from=policy)
+        new_policy = saving.save_policy(cfg, run, backend, started_from=policy)
         done = time.time()
         dp.clear(paths.step_partition(step))
     except BaseException:
-        # the in-memory trainer may have moved past ``policy``: a retry must reload it from storage
-        runtime.discard_trainer(run)
+        # the in-memory policy may have moved past ``policy``: a retry must reload it from storage
+        runtime.discard(run, "policy")
         raise
 
     info = meta.extra_info

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rl.backends.interfaces import PolicyVersion
+
+__all__ = ["PolicyVersion", "RunInfo", "RunSummary"]
+
 
 @dataclass
 class RunInfo:
@@ -17,14 +21,6 @@ class RunInfo:
     """Last completed step (0 for a new run; the checkpoint's step when resuming)."""
     start_policy_path: str = ""
     """Weights of ``start_step`` (the base model for a new run)."""
-
-
-@dataclass
-class PolicyVersion:
-    """The policy weights after ``step`` optimizer steps, at ``path`` (an HF folder URL)."""
-
-    step: int
-    path: str
 
 
 @dataclass

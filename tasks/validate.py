@@ -16,11 +16,11 @@ from tasks.types import PolicyVersion, RunInfo
 def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     """Accuracy (share of reward 1) of the policy at ``policy.step`` on ``data.num_val_problems`` questions
     of the validation split; logs ``validation/accuracy``, ``validation/avg_length`` and a sample table."""
+    import torch
+
     from dataplane import fields as F
     from dataplane import paths
     from rl.data import val_problems
-    import torch
-
     from rl.rollout import ROLLOUT_DTYPES, generate_groups, to_columns
     from tasks import runtime, tracking
 
@@ -28,9 +28,9 @@ def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     runtime.set_threads()
     d = cfg.data
     problems = val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
-    model = runtime.peek_policy(cfg, run, policy)
+    generator = runtime.generation(cfg, run, policy)
     t0 = time.perf_counter()
-    groups = generate_groups(model, runtime.tokenizer(run.model_path), problems, cfg, group_size=1, greedy=True)
+    groups = generate_groups(generator, runtime.tokenizer(run.model_path), problems, cfg, group_size=1, greedy=True, seed=cfg.grpo.seed)
     gen_s = time.perf_counter() - t0
     columns = to_columns(groups, torch.ones(len(problems), dtype=torch.bool), group_size=1, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)

@@ -103,7 +103,7 @@ def _fail_once_after(monkeypatch, owner, name, label, fired, when):
 
 @pytest.mark.integration
 def test_retried_partial_failures_leave_the_clean_state(tmp_path, tiny_model_dir, monkeypatch):
-    import rl.train
+    import rl.backends.hf.train
     import tasks.saving
     import tasks.tracking
     from dataplane.client import DataPlane
@@ -121,12 +121,12 @@ def test_retried_partial_failures_leave_the_clean_state(tmp_path, tiny_model_dir
         return calls["train_on_batch"] == 2
 
     _fail_once_after(monkeypatch, DataPlane, "put", "rollout step 1", fired, lambda self, part, *a, **k: part == "step_000001")
-    _fail_once_after(monkeypatch, tasks.saving, "save_policy", "train step 1 after saving", fired, lambda cfg, run, state, *a, **k: state.step == 1)
+    _fail_once_after(monkeypatch, tasks.saving, "save_policy", "train step 1 after saving", fired, lambda cfg, run, backend, *a, **k: backend.weight_version == 1)
     _fail_once_after(
         monkeypatch, DataPlane, "write_columns", "ref_lp step 2", fired,
         lambda self, meta, *a, task_name=None, **k: task_name == "ref_lp" and meta.partition_id == "step_000002",
     )
-    _fail_once_after(monkeypatch, rl.train, "train_on_batch", "train step 2 after the update", fired, second_update)
+    _fail_once_after(monkeypatch, rl.backends.hf.train, "train_on_batch", "train step 2 after the update", fired, second_update)
     _fail_once_after(monkeypatch, tasks.tracking, "log_metrics", "validation after logging", fired, lambda uri, run, metrics, step: "validation/accuracy" in metrics)
 
     faulty_cfg = small_config(tmp_path / "faulty", tiny_model_dir)

@@ -25,7 +25,10 @@ def test_defaults_are_valid_and_json_safe():
         ("optim", {"lr": 0}, "positive learning rate"),
         ("optim", {"train_global_batch_size": 12, "train_micro_batch_size": 8}, "multiple"),
         ("generation", {"temperature": 0}, "temperature"),
-        ("generation", {"backend": "vllm"}, "only 'transformers' is available"),
+        ("generation", {"backend": "sglang"}, r"'sglang' is not a generation back-end; use one of \['transformers', 'vllm'\]"),
+        ("policy", {"backend": "megatron"}, r"'megatron' is not a policy back-end; use one of \['transformers'\]"),
+        ("generation", {"vllm_cfg": {"gpu_memory_utilization": 1.5}}, r"vllm_cfg.gpu_memory_utilization: is 1.5"),
+        ("generation", {"backend": "vllm", "max_new_tokens": 64, "vllm_cfg": {"max_model_len": 64}}, "raise vllm_cfg.max_model_len"),
         ("grpo", {"dynamic_sampling_max_gen_batches": 0}, "at least 1"),
         ("loss", {"seq_logprob_error_threshold": 0.5}, ">= 1"),
         ("model", {"precision": "fp8"}, "'auto', 'bfloat16' or 'float32'"),
@@ -50,6 +53,11 @@ def test_unknown_keys_are_named():
         config_from_dict({"optim": {"lr_typo": 1}})
     with pytest.raises(ValueError, match="unknown keys"):
         config_from_dict({"optimizer": {}})
+    # nested sections are parsed as strictly, and their keys are named with their path
+    with pytest.raises(ValueError, match=r"generation.vllm_cfg: unknown keys \['gpu_mem'\]"):
+        config_from_dict({"generation": {"vllm_cfg": {"gpu_mem": 0.5}}})
+    nested = config_from_dict({"generation": {"backend": "vllm", "vllm_cfg": {"cpu_kv_cache_gib": 3.0}}})
+    assert nested.generation.vllm_cfg.cpu_kv_cache_gib == 3.0 and nested.generation.vllm_cfg.max_model_len == 2048
 
 
 def test_load_yaml_json_inline(tmp_path):

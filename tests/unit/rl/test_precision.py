@@ -11,7 +11,8 @@ from rl import precision
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from rl.model import load_model, load_tokenizer
+    from rl.backends.hf.model import load_model
+    from rl.model import load_tokenizer
 
     return load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
 
@@ -26,8 +27,8 @@ def test_explicit_precisions_are_kept_and_auto_follows_the_cpu_flags():
 
 
 def test_bf16_runs_the_trunk_in_bf16_and_the_head_matmul_in_bf16(tiny):
-    from rl.lm_head import lm_head
-    from rl.logprobs import hidden_states
+    from rl.backends.hf.lm_head import lm_head
+    from rl.backends.hf.logprobs import hidden_states
 
     model, _ = tiny
     seen = {}

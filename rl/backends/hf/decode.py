@@ -6,36 +6,12 @@ Owns sampling only; scoring is `rl.data`, storage is `dataplane`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from rl.lm_head import lm_head
-from rl.logprobs import hidden_states
+from rl.backends.hf.lm_head import lm_head
+from rl.backends.interfaces import Generated
+from rl.backends.hf.logprobs import hidden_states
 from rl.precision import autocast, device_of
-
-
-@dataclass
-class Generated:
-    """N completions (rows in the order of the prompts given).
-
-    Attributes:
-        input_ids: list of N int64 [L_i] tensors, prompt + response tokens.
-        generation_logprobs: list of N float32 [L_i], log p(token_t | <t) under the sampling
-            distribution (logits / temperature), 0 on prompt tokens.
-        token_mask: list of N bool [L_i], True on response tokens.
-        prompt_lengths, response_lengths: [N] int64.
-        truncated: [N] bool, True where no eos was generated within ``max_new_tokens``.
-        response_token_ids: N lists of response token ids (eos included when generated).
-    """
-
-    input_ids: list[torch.Tensor]
-    generation_logprobs: list[torch.Tensor]
-    token_mask: list[torch.Tensor]
-    prompt_lengths: torch.Tensor
-    response_lengths: torch.Tensor
-    truncated: torch.Tensor
-    response_token_ids: list[list[int]]
 
 
 def _group_size(prompts: list[list[int]]) -> int:
@@ -61,7 +37,7 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 def sample_next(
-    logits: torch.Tensor, *, temperature: float, top_p: float, greedy: bool
+    logits: torch.Tensor, *, temperature: float, top_p: float, greedy: bool, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return it with its generation logprob.
 
@@ -74,9 +50,10 @@ def sample_next(
         top_p: nucleus sampling mass (1.0 = off); the logprob stays that of the temperature-scaled distribution
             before truncation, as in NeMo-RL / vLLM ``generation_logprobs``.
         greedy: argmax; the logprob is that of the unscaled distribution.
+        generator: source of the uniforms (a CPU generator for CPU logits); None: torch's global generator.
 
     Returns:
-        ``(tokens [n] int64, logprobs [n] float32)``. Randomness comes from torch's global generator.
+        ``(tokens [n] int64, logprobs [n] float32)``.
     """
     logp = (logits if greedy else logits / temperature).float().log_softmax(-1)  # [n, V]
     if greedy:
@@ -89,7 +66,7 @@ def sample_next(
             keep = probs.cumsum(-1) - probs < top_p  # [n, V], the first token always kept
             probs = probs * keep
         cdf = probs.cumsum(-1)  # [n, V]
-        u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [n, 1]
+        u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]  # [n, 1]
         tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)  # [n]
         if order is not None:
             tokens = order.gather(1, tokens[:, None]).squeeze(1)
@@ -107,6 +84,7 @@ def generate(
     greedy: bool = False,
     batch_size: int = 64,
     precision: str = "auto",
+    generator: torch.Generator | None = None,
 ) -> Generated:
     """Generate one completion per prompt (repeat a prompt G times, consecutively, for a group).
 
@@ -125,9 +103,10 @@ def generate(
         greedy: argmax decoding (validation).
         batch_size: sequences per decode batch (rounded down to whole groups).
         precision: ``auto``, ``bfloat16`` or ``float32`` (see :func:`rl.precision.autocast`).
+        generator: a CPU ``torch.Generator`` that all sampling draws from (None: torch's global generator).
 
     Returns:
-        :class:`Generated`. Randomness comes from torch's global generator: seed it before calling.
+        :class:`Generated`.
     """
     eos = tokenizer.eos_token_id
     g = _group_size(prompts)
@@ -138,7 +117,7 @@ def generate(
         chunk = prompts[start : start + step]
         new, lp, lengths, finished = _decode(
             model, chunk, g, pad_id=tokenizer.pad_token_id, eos_id=eos, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, greedy=greedy, precision=precision,
+            temperature=temperature, top_p=top_p, greedy=greedy, precision=precision, generator=generator,
         )
         for i, p in enumerate(chunk):
             r = int(lengths[i])
@@ -167,6 +146,7 @@ def _decode(
     top_p: float,
     greedy: bool,
     precision: str,
+    generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``prompts`` (runs of ``g`` identical ones) and return ``(tokens [n, T] int64, logprobs [n, T]
     float32, response lengths [n] int64 with eos counted, finished [n] bool)``; T <= ``max_new_tokens``."""
@@ -200,8 +180,8 @@ def _decode(
                 model, cur, mask, precision=precision, position_ids=cur_pos.to(device), past_key_values=cache, use_cache=True,
             )[:, -1]  # [m, H]
             logits = head.logits(hidden)  # [m, V]
-            nxt, lp = sample_next(logits.cpu(), temperature=temperature, top_p=top_p, greedy=greedy)  # [m] each
-            if head.corrected:  # the sampled token's exact logit, as the training forward computes it (rl.lm_head)
+            nxt, lp = sample_next(logits.cpu(), temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)  # [m] each
+            if head.corrected:  # the sampled token's exact logit, as the training forward computes it (rl.backends.hf.lm_head)
                 exact = head.target_logits(hidden, nxt.to(device)) - logits.gather(1, nxt[:, None].to(device)).squeeze(1)
                 lp = lp + exact.cpu().to(lp.dtype) / (1.0 if greedy else temperature)
             tokens[rows, t] = nxt

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from rl.config import GRPOConfig
-from rl.logprobs import forward_logprobs
+from rl.backends.hf.logprobs import forward_logprobs
 from rl.filters import seq_mult_prob_error
 from rl.loss import LossInputs, clipped_pg_loss, loss_mask
 from rl.precision import autocast
@@ -146,7 +146,7 @@ def train_on_batch(
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         # micro-batches in row order: a rollout's groups stay together and share their prompt's forward
-        # (rl.logprobs.forward_logprobs); the global normalization makes the split irrelevant to the update
+        # (rl.backends.hf.logprobs.forward_logprobs); the global normalization makes the split irrelevant to the update
         order = torch.arange(g0, min(g0 + gbs, n))  # [gbs]
         # autocast: weights are cast to bf16 once per update, not per micro-batch
         with autocast(model, cfg.model.precision), _embedding_grads_by_row(model):

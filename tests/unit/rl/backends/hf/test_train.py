@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from rl.config import config_from_dict
-from rl.logprobs import batched_logprobs, forward_logprobs
-from rl.train import make_optimizer, train_on_batch
+from rl.backends.hf.logprobs import batched_logprobs, forward_logprobs
+from rl.backends.hf.train import make_optimizer, train_on_batch
 
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_model_dir):
-    from rl.model import load_model
+    from rl.backends.hf.model import load_model
 
     return load_model(tiny_model_dir).double()
 

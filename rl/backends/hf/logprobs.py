@@ -1,6 +1,6 @@
 """Per-token logprobs of given sequences under a model (policy, reference policy, or the training forward).
 
-Owns the forward pass -> logprob reduction: the trunk over the padded micro-batch, the LM head (`rl.lm_head`)
+Owns the forward pass -> logprob reduction: the trunk over the padded micro-batch, the LM head (`rl.backends.hf.lm_head`)
 only over the wanted positions, packed; log_softmax over the vocabulary is never materialized.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.lm_head import lm_head
+from rl.backends.hf.lm_head import lm_head
 from rl.precision import autocast, device_of
 
 
@@ -43,10 +43,10 @@ def forward_logprobs(
     back through it. A group of 8 rollouts of SmolLM2 (prompts ~37 tokens, responses ~22) then runs ~45% fewer
     trunk tokens than the plain padded forward, with the same values up to float rounding (positions and masks
     are those of the full sequence). The LM head (a [H, V] matmul and a [T, V] log-sum-exp) runs only on the
-    wanted positions, packed into one [T, H] batch (`rl.lm_head`).
+    wanted positions, packed into one [T, H] batch (`rl.backends.hf.lm_head`).
 
     Args:
-        model: Hugging Face causal LM with a bias-free linear LM head (see :func:`rl.lm_head.lm_head`).
+        model: Hugging Face causal LM with a bias-free linear LM head (see :func:`rl.backends.hf.lm_head.lm_head`).
         input_ids: [M, S] int64, right-padded.
         input_lengths: [M] int64 unpadded lengths (>= 1).
         precision: ``auto``, ``bfloat16`` or ``float32`` (see :func:`rl.precision.autocast`).

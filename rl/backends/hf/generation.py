@@ -1,0 +1,97 @@
+"""The transformers generation back-end: our KV-cached decode loop (`rl.backends.hf.decode`) behind
+:class:`rl.backends.interfaces.GenerationBackend`, with a model copy of its own that refits in place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from rl.backends.interfaces import GenerationBackend, Generated, PolicyVersion
+from rl.config import GRPOConfig
+
+
+class HFGeneration(GenerationBackend):
+    """Generation with a Hugging Face causal LM on CPU or CUDA.
+
+    The model is its own copy (not the trainer's module), so its weights stay at :attr:`weight_version` while a
+    trainer in the same process moves on. Its parameters keep ``requires_grad``: torch's autocast caches the bf16
+    casts only of such weights, so a bf16 decode casts the weights once per call instead of once per token.
+
+    Args:
+        cfg: the run's config (``generation`` sampling settings, ``model.precision``, storage options).
+        tokenizer: the model's tokenizer (pad and eos ids).
+        model_path: the base model folder: the architecture a warm :meth:`refit` copies weights into.
+    """
+
+    name = "transformers"
+
+    def __init__(self, cfg: GRPOConfig, *, tokenizer: Any, model_path: str) -> None:
+        self._cfg = cfg
+        self._tokenizer = tokenizer
+        self._model_path = model_path
+        self._model: torch.nn.Module | None = None
+        self._version: int | None = None
+
+    @property
+    def weight_version(self) -> int | None:
+        return self._version
+
+    def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
+        from rl.backends.hf.decode import generate
+
+        if self._model is None:
+            msg = "the transformers generation back-end holds no weights yet: call refit(version) first"
+            raise RuntimeError(msg)
+        g = self._cfg.generation
+        return generate(
+            self._model,
+            self._tokenizer,
+            [p for p in prompts for _ in range(group_size)],
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            greedy=greedy,
+            batch_size=g.batch_size,
+            precision=self._cfg.model.precision,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        from rl.backends.hf.model import load_model
+        from rl.checkpoint import local_copy
+
+        if weights is None:
+            self._model = load_model(local_copy(version.path, self._cfg.dataplane.storage_options))
+        else:
+            if self._model is None:
+                self._model = load_model(self._model_path)
+            copy_weights(self._model, weights)
+        self._version = version.step
+
+    def shutdown(self) -> bool:
+        self._model, self._version = None, None
+        return True
+
+
+def copy_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy ``weights`` (HF names) into ``model``'s tensors in place; every tensor of ``model`` must be given (a tied
+    tensor, such as SmolLM2's shared embedding and LM head, under either of its names).
+
+    Raises:
+        KeyError: a name ``model`` does not have, or a tensor of ``model`` that ``weights`` left out.
+    """
+    own = model.state_dict()
+    seen = set()
+    with torch.no_grad():
+        for name, value in weights:
+            if name not in own:
+                msg = f"refit weight {name!r} is not a tensor of {type(model).__name__}"
+                raise KeyError(msg)
+            own[name].copy_(value)
+            seen.add(own[name].data_ptr())
+    missing = sorted(k for k, v in own.items() if v.data_ptr() not in seen)  # a tied tensor counts once
+    if missing:
+        msg = f"refit left {len(missing)} tensors of {type(model).__name__} unset, e.g. {missing[:3]}"
+        raise KeyError(msg)

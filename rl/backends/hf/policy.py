@@ -1,0 +1,198 @@
+"""The transformers policy back-end: shared-prompt logprobs, the packed LM head and the micro-batched GRPO update
+(`rl.backends.hf.logprobs`, `.lm_head`, `.train`) behind :class:`rl.backends.interfaces.PolicyBackend`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from dataplane import fields as F
+from rl.backends.interfaces import PolicyBackend, PolicyVersion, TopkLogits
+from rl.config import GRPOConfig
+
+
+class HFPolicy(PolicyBackend):
+    """A Hugging Face causal LM with AdamW, and the base model as the reference policy.
+
+    Nothing is loaded at construction: the policy weights on :meth:`load_checkpoint`, the optimizer only when
+    training asks for it, the reference policy on the first reference-logprob call. So a task that needs only
+    the reference policy (a reference-logprob pod) never loads the policy, and one that only reads logprobs
+    never builds an optimizer.
+
+    Args:
+        cfg: the run's config (``model.precision``, ``optim``, ``loss``, ``generation.temperature``).
+        tokenizer: the model's tokenizer (saved into every checkpoint).
+        reference_path: the base model folder, i.e. the reference policy.
+    """
+
+    name = "transformers"
+
+    def __init__(self, cfg: GRPOConfig, *, tokenizer: Any, reference_path: str) -> None:
+        self._cfg = cfg
+        self._tokenizer = tokenizer
+        self._reference_path = reference_path
+        self._model: torch.nn.Module | None = None
+        self._reference: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: Any = None
+        self._version: int | None = None
+        self._optimizer_version: int | None = None
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def weight_version(self) -> int | None:
+        return self._version
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self._tokenizer.pad_token_id)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The policy module (for benchmarks and tests that look inside).
+
+        Raises:
+            RuntimeError: no weights loaded yet.
+        """
+        if self._model is None:
+            msg = "the transformers policy holds no weights yet: call load_checkpoint(version) first"
+            raise RuntimeError(msg)
+        return self._model
+
+    def has_optimizer_state(self, version: PolicyVersion) -> bool:
+        return self._optimizer is not None and self._version == version.step and self._optimizer_version == version.step
+
+    def load_checkpoint(self, version: PolicyVersion, *, with_optimizer: bool) -> None:
+        from rl import checkpoint
+        from rl.backends.hf.model import load_model
+        from rl.backends.hf.train import make_optimizer
+
+        so = self._cfg.dataplane.storage_options
+        if with_optimizer and version.step != 0 and not checkpoint.has_trainer_state(version.path, so):
+            msg = (
+                f"no optimizer state for step {version.step} at {version.path}: it holds weights only. Tasks that run "
+                "in separate processes (a remote cluster) need checkpointing.checkpoint_period: 1"
+            )
+            raise RuntimeError(msg)
+        folder = checkpoint.local_copy(version.path, so)
+        if self._model is None or self._version != version.step:
+            self._model = load_model(folder)
+            self._optimizer = self._scheduler = self._optimizer_version = None
+            self._version = version.step
+        if with_optimizer:
+            self._optimizer, self._scheduler = make_optimizer(self._model, self._cfg)
+            if version.step != 0:
+                checkpoint.load_trainer_state(folder, self._optimizer, self._scheduler)
+            self._optimizer_version = version.step
+
+    def save_checkpoint(self, url: str, *, trainer_state: Any | None = None) -> str:
+        from rl import checkpoint
+
+        with_state = trainer_state is not None
+        return checkpoint.save(
+            url,
+            model=self.model,
+            tokenizer=self._tokenizer,
+            optimizer=self._optimizer if with_state else None,
+            scheduler=self._scheduler if with_state else None,
+            state=trainer_state,
+            storage_options=self._cfg.dataplane.storage_options,
+        )
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.model.state_dict().items()
+
+    # ------------------------------------------------------------------------------------ forward passes
+    def get_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+        return self._logprobs(self.model, batch, micro_batch_size)
+
+    def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+        if self._reference is None:
+            from rl.backends.hf.model import load_model
+
+            self._reference = load_model(self._reference_path)
+            self._reference.requires_grad_(False)
+        return self._logprobs(self._reference, batch, micro_batch_size)
+
+    def _logprobs(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None) -> torch.Tensor:
+        from rl.backends.hf.logprobs import batched_logprobs
+
+        return batched_logprobs(
+            model,
+            batch[F.INPUT_IDS],
+            batch[F.INPUT_LENGTHS],
+            batch[F.TOKEN_MASK],
+            batch_size=micro_batch_size or self._cfg.optim.logprob_batch_size,
+            precision=self._cfg.model.precision,
+            temperature=self._cfg.generation.temperature,
+        )  # [N, S]
+
+    def get_topk_logits(self, batch: Mapping[str, torch.Tensor], k: int, *, micro_batch_size: int | None = None) -> TopkLogits:
+        """Top-k of the raw logits (no temperature) at every position that predicts a real token.
+
+        The LM head runs in ``model.precision``; under bf16 its ``EXACT_TOP_K`` largest logits per position are
+        exact float32 (`rl.backends.hf.lm_head`), the rest bf16-rounded.
+        """
+        from rl.backends.hf.lm_head import lm_head
+        from rl.backends.hf.logprobs import hidden_states
+        from rl.precision import autocast
+
+        model, precision = self.model, self._cfg.model.precision
+        ids, lengths = batch[F.INPUT_IDS], batch[F.INPUT_LENGTHS]
+        n, s = ids.shape
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if not 1 <= k <= vocab:
+            msg = f"get_topk_logits: k={k} must be between 1 and the vocabulary size {vocab}"
+            raise ValueError(msg)
+        values = torch.zeros(n, max(s - 1, 0), k)  # [N, S-1, k]
+        indices = torch.zeros(n, max(s - 1, 0), k, dtype=torch.int64)  # [N, S-1, k]
+        mbs = micro_batch_size or self._cfg.optim.logprob_batch_size
+        with torch.no_grad(), autocast(model, precision):
+            head = lm_head(model, precision)
+            for a in range(0, n, mbs):
+                rows = torch.arange(a, min(a + mbs, n))  # [m]
+                width = int(lengths[rows].max())
+                attn = (torch.arange(width)[None, :] < lengths[rows, None]).long()  # [m, W]
+                hidden = hidden_states(model, ids[rows, :width], attn, precision=precision)  # [m, W, H]
+                live = torch.arange(width - 1)[None, :] < (lengths[rows, None] - 1)  # [m, W-1] predicts a real token
+                r, t = live.nonzero(as_tuple=True)  # [T] each
+                top = head.logits(hidden[r.to(hidden.device), t.to(hidden.device)]).topk(k, -1)  # [T, k] each
+                values[rows[r], t] = top.values.float().cpu()
+                indices[rows[r], t] = top.indices.cpu()
+        return TopkLogits(topk_logits=values, topk_indices=indices)
+
+    # ------------------------------------------------------------------------------------------ training
+    def prepare_for_training(self) -> None:
+        if self._optimizer is None or self._optimizer_version != self._version:
+            msg = "prepare_for_training: no optimizer state for the held weights; call load_checkpoint(version, with_optimizer=True)"
+            raise RuntimeError(msg)
+        self.model.train()
+
+    def finish_training(self) -> None:
+        if self._model is not None:
+            self._model.eval()
+            self._model.zero_grad(set_to_none=True)
+
+    def train(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        from rl.backends.hf.train import train_on_batch
+
+        if self._optimizer is None or self._optimizer_version != self._version:
+            msg = "train: no optimizer state for the held weights; call load_checkpoint(version, with_optimizer=True)"
+            raise RuntimeError(msg)
+        assert self._version is not None
+        try:
+            metrics = train_on_batch(self.model, self._optimizer, self._scheduler, batch, self._cfg)
+        except BaseException:
+            # the weights may be half-updated: drop them, so nothing uses them as any version
+            self._model = self._optimizer = self._scheduler = self._version = self._optimizer_version = None
+            raise
+        self._version += 1
+        self._optimizer_version = self._version
+        return metrics
+
+    def shutdown(self) -> bool:
+        self._model = self._reference = self._optimizer = self._scheduler = None
+        self._version = self._optimizer_version = None
+        return True

@@ -1,0 +1,245 @@
+"""The two back-end interfaces: generation (rollouts) and policy (logprobs, training, checkpoints).
+
+Tensors in, tensors out; no Flyte. Mirrors NeMo-RL's ``GenerationInterface`` / ``PolicyInterface`` and the
+``*_from_meta`` entry points of its ``TQPolicy`` (``reference/seeds/policy_interfaces.txt``, ``tq_policy.txt``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where it is used: tasks import this module for PolicyVersion
+    import torch
+
+    from dataplane.client import DataPlane
+    from dataplane.meta import KVBatchMeta
+
+
+@dataclass
+class PolicyVersion:
+    """The policy weights after ``step`` optimizer steps, at ``path`` (an HF folder URL: local or fsspec)."""
+
+    step: int
+    path: str
+
+
+@dataclass
+class Generated:
+    """N completions, group-contiguous: row ``b * G + i`` is completion ``i`` of prompt ``b``.
+
+    Attributes:
+        input_ids: N int64 [L_i] tensors, prompt + response tokens.
+        generation_logprobs: N float32 [L_i], log p(token_t | <t) in nats under the sampling distribution
+            (logits / temperature; the unscaled logits when greedy), 0 on prompt tokens.
+        token_mask: N bool [L_i], True on response tokens.
+        prompt_lengths, response_lengths: [N] int64.
+        truncated: [N] bool, True where no eos was generated within ``max_new_tokens``.
+        response_token_ids: N lists of response token ids (the eos included when generated).
+    """
+
+    input_ids: list[torch.Tensor]
+    generation_logprobs: list[torch.Tensor]
+    token_mask: list[torch.Tensor]
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+    truncated: torch.Tensor
+    response_token_ids: list[list[int]]
+
+    @classmethod
+    def from_rows(cls, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], finished: list[bool]) -> Generated:
+        """Assemble from per-row prompt ids, response ids, response-token logprobs and whether eos ended the row."""
+        import torch
+
+        out = cls([], [], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), [])
+        for p, r, lp in zip(prompts, responses, logprobs, strict=True):
+            out.input_ids.append(torch.tensor([*p, *r], dtype=torch.int64))
+            out.generation_logprobs.append(torch.cat([torch.zeros(len(p)), torch.as_tensor(lp, dtype=torch.float32)]))
+            out.token_mask.append(torch.cat([torch.zeros(len(p), dtype=torch.bool), torch.ones(len(r), dtype=torch.bool)]))
+            out.response_token_ids.append(list(r))
+        out.prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        out.response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.int64)
+        out.truncated = ~torch.tensor(finished, dtype=torch.bool)
+        return out
+
+
+@dataclass
+class TopkLogits:
+    """Per-position top-k logits, aligned to next-token positions: entry ``t`` predicts token ``t + 1``.
+
+    Attributes:
+        topk_logits: [N, S-1, k] float32, descending along k; 0 at positions t >= input_lengths - 1.
+        topk_indices: [N, S-1, k] int64, global vocabulary ids; 0 at those positions.
+    """
+
+    topk_logits: torch.Tensor
+    topk_indices: torch.Tensor
+
+
+class GenerationBackend(abc.ABC):
+    """Generates G completions per prompt with the weights of one :class:`PolicyVersion`.
+
+    Sampling settings (temperature, top_p, max_new_tokens) come from ``cfg.generation`` at construction; the
+    seed comes with every call, so the same (weights, prompts, seed) give the same completions whatever ran
+    before in the process.
+    """
+
+    name: str = ""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int | None:
+        """Step of the weights the engine holds (None before the first load)."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
+        """``group_size`` completions of each of the B prompts.
+
+        Args:
+            prompts: B prompt token-id lists.
+            group_size: G completions per prompt (1 for validation).
+            seed: seeds this call's sampling only (a local generator; per-request seeds in vLLM).
+            greedy: argmax decoding; the logprobs are then those of the unscaled logits.
+
+        Returns:
+            :class:`Generated` with N = B * G rows, group-contiguous.
+        """
+
+    @abc.abstractmethod
+    def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Hold the weights of ``version``: updated in place from ``weights`` (HF parameter names, e.g. the live
+        trainer's state dict in a warm process), or loaded from ``version.path`` when ``weights`` is None (a
+        cold process)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> bool:
+        """Release the engine and its memory; True when done."""
+
+
+class PolicyBackend(abc.ABC):
+    """A trainable policy plus its frozen reference policy (the base model), behind tensor-level methods.
+
+    Batches are mappings of padded tensors as the data plane materializes them: ``input_ids`` [N, S] int64
+    (right-padded), ``input_lengths`` [N] int64, ``token_mask`` [N, S] bool, ``sample_mask`` [N] bool, and for
+    ``train`` also ``generation_logprobs``, ``reference_policy_logprobs``, ``advantages`` (and optionally
+    ``prev_logprobs``) [N, S] float32. Logprob outputs are [N, S] float32 aligned with ``input_ids``: entry t is
+    log p(input_ids[t] | input_ids[<t]) in nats on ``token_mask`` tokens, 0 elsewhere (position 0 included).
+    """
+
+    name: str = ""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int | None:
+        """Step of the policy weights held (None before the first load)."""
+
+    @property
+    @abc.abstractmethod
+    def pad_token_id(self) -> int:
+        """Pad value of ``input_ids`` when the data plane materializes a batch."""
+
+    @abc.abstractmethod
+    def get_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+        """[N, S] float32 logprobs of the batch under the policy (no gradients)."""
+
+    @abc.abstractmethod
+    def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+        """[N, S] float32 logprobs of the batch under the reference policy."""
+
+    @abc.abstractmethod
+    def get_topk_logits(self, batch: Mapping[str, torch.Tensor], k: int, *, micro_batch_size: int | None = None) -> TopkLogits:
+        """Top-``k`` logits of the policy at the S-1 next-token positions (see :class:`TopkLogits`)."""
+
+    @abc.abstractmethod
+    def train(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """One step's optimizer updates on ``batch``; bumps :attr:`weight_version` by one.
+
+        Returns:
+            metrics named as NeMo-RL logs them without the ``train/`` prefix (``loss``, ``grad_norm``, ...).
+        """
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The policy weights under Hugging Face parameter names, for :meth:`GenerationBackend.refit`."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, url: str, *, trainer_state: Any | None = None) -> str:
+        """Write an HF folder of the policy at ``url`` (``from_pretrained`` loads it); with ``trainer_state``
+        (an :class:`rl.checkpoint.TrainerState`) also optimizer, scheduler and RNG state. Returns ``url``."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, version: PolicyVersion, *, with_optimizer: bool) -> None:
+        """Hold the weights of ``version`` (and, with ``with_optimizer``, its optimizer state: fresh at step 0).
+
+        Raises:
+            RuntimeError: ``with_optimizer`` but the checkpoint at ``version.path`` has no trainer state.
+        """
+
+    @abc.abstractmethod
+    def has_optimizer_state(self, version: PolicyVersion) -> bool:
+        """Whether this object holds the optimizer state that belongs to ``version``."""
+
+    @abc.abstractmethod
+    def prepare_for_training(self) -> None:
+        """Ready the policy for :meth:`train` (train mode; the optimizer exists)."""
+
+    @abc.abstractmethod
+    def finish_training(self) -> None:
+        """Back to inference after training (eval mode, gradients freed)."""
+
+    def calibrate_qkv_fp8_scales(self, batch: Mapping[str, torch.Tensor], **kwargs: Any) -> dict[str, Any]:
+        """FP8 KV-cache scales for Q/K/V (NeMo-RL). Back-ends without FP8 KV caches raise.
+
+        Raises:
+            NotImplementedError: always, unless a back-end overrides it.
+        """
+        msg = (
+            f"the {self.name!r} policy back-end has no FP8 KV cache, so there are no Q/K/V scales to calibrate; "
+            "leave FP8 KV caches off (they need a GPU back-end that supports them)"
+        )
+        raise NotImplementedError(msg)
+
+    @abc.abstractmethod
+    def shutdown(self) -> bool:
+        """Release models and optimizer state; True when done."""
+
+    # ------------------------------------------------------------ the data-plane entry points (tq_policy)
+    def get_logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane) -> KVBatchMeta:
+        """Read ``LP_SEED_FIELDS`` of ``meta``, write ``prev_logprobs`` back as a delta column; returns the new meta."""
+        from dataplane import fields as F
+
+        return self._logprobs_from_meta(meta, dataplane, self.get_logprobs, F.PREV_LOGPROBS, "prev_lp")
+
+    def get_reference_policy_logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane) -> KVBatchMeta:
+        """Read ``LP_SEED_FIELDS`` of ``meta``, write ``reference_policy_logprobs`` back; returns the new meta."""
+        from dataplane import fields as F
+
+        return self._logprobs_from_meta(meta, dataplane, self.get_reference_policy_logprobs, F.REFERENCE_POLICY_LOGPROBS, "ref_lp")
+
+    def train_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane, *, fields: Iterable[str]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """Read ``fields`` (``DP_TRAIN_FIELDS``, less ``prev_logprobs`` on-policy) of ``meta`` and :meth:`train`.
+
+        Returns:
+            ``(metrics, batch)``: the training metrics and the batch that was read.
+        """
+        from dataplane import fields as F
+
+        batch = dataplane.read(meta, list(fields), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
+        self.prepare_for_training()
+        try:
+            return self.train(batch), batch
+        finally:
+            self.finish_training()
+
+    def _logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane, compute: Any, field: str, task_name: str) -> KVBatchMeta:
+        from dataplane import fields as F
+        from dataplane.codec import to_nested_by_length
+
+        batch = dataplane.read(meta, list(F.LP_SEED_FIELDS), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
+        logprobs = compute(batch)  # [N, S]
+        if logprobs.shape != batch[F.INPUT_IDS].shape:
+            msg = f"{self.name} back-end returned logprobs of shape {tuple(logprobs.shape)} for input_ids {tuple(batch[F.INPUT_IDS].shape)}"
+            raise RuntimeError(msg)
+        return dataplane.write_columns(meta, {field: to_nested_by_length(logprobs, batch[F.INPUT_LENGTHS])}, task_name=task_name)

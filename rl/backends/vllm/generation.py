@@ -1,0 +1,210 @@
+"""The vLLM generation back-end: vLLM's offline engine in this process, ``n = G`` per prompt (the G completions
+share their prompt's KV cache), one seed per request, the sampled tokens' logprobs of the temperature-scaled
+distribution in float32, and weights refitted in place (no engine restart, no disk round trip when a trainer in
+this process holds them).
+
+Deviations from the transformers back-end: with ``top_p < 1`` vLLM reports the logprob renormalized over the
+nucleus (ours: before truncation); completions of the two back-ends differ for the same seed (different RNGs).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rl.backends.interfaces import GenerationBackend, Generated, PolicyVersion
+from rl.config import GRPOConfig
+
+
+def request_seed(seed: int, index: int) -> int:
+    """Seed of request ``index`` of a call seeded ``seed``: a 62-bit hash, so the per-completion seeds vLLM derives
+    from it (seed + completion index) never collide across requests or calls."""
+    return int.from_bytes(hashlib.sha256(f"{seed}\0{index}".encode()).digest()[:8], "big") >> 2
+
+
+def waves(needs: list[int], capacity: int) -> list[list[int]]:
+    """Split requests into consecutive waves whose summed KV-cache need fits ``capacity`` (tokens).
+
+    vLLM preempts running sequences when its KV cache fills, and a seeded request cannot be preempted on CPU (the
+    engine dies with ``CPU Generator does not use offset``); submitting waves that fit means it never has to.
+
+    Args:
+        needs: per request, the KV-cache tokens it can occupy at most (G * (prompt + max_new_tokens) + slack).
+        capacity: tokens the engine's KV cache holds.
+
+    Returns:
+        lists of request indices, in order.
+
+    Raises:
+        ValueError: one request alone needs more than ``capacity``.
+    """
+    out: list[list[int]] = []
+    used = capacity + 1
+    for i, need in enumerate(needs):
+        if need > capacity:
+            msg = (
+                f"one prompt's group needs {need} KV-cache tokens but the vLLM engine holds {capacity}; raise "
+                "generation.vllm_cfg.cpu_kv_cache_gib (CPU) or gpu_memory_utilization (GPU), or lower "
+                "grpo.num_generations_per_prompt or generation.max_new_tokens"
+            )
+            raise ValueError(msg)
+        if used + need > capacity:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += need
+    return out
+
+
+class VLLMGeneration(GenerationBackend):
+    """Generation with vLLM's ``LLM`` engine, in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine process
+    to spawn, so no ``__main__`` guard is needed and the weights can be updated without pickling them).
+
+    Args:
+        cfg: the run's config (``generation`` sampling and ``vllm_cfg`` engine settings, ``model.precision``).
+        tokenizer: the model's tokenizer (its eos id ends completions, as in the transformers back-end).
+        model_path: the base model folder: the engine a warm :meth:`refit` starts from.
+    """
+
+    name = "vllm"
+
+    def __init__(self, cfg: GRPOConfig, *, tokenizer: Any, model_path: str) -> None:
+        self._cfg = cfg
+        self._tokenizer = tokenizer
+        self._model_path = model_path
+        self._llm: Any = None
+        self._version: int | None = None
+
+    @property
+    def weight_version(self) -> int | None:
+        return self._version
+
+    # ------------------------------------------------------------------------------------------ engine
+    def _start(self, folder: str) -> None:
+        v = self._cfg.generation.vllm_cfg
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{v.cpu_kv_cache_gib:g}")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        from rl.precision import resolve
+
+        cuda = torch.cuda.is_available()
+        dtype = resolve(self._cfg.model.precision, "cuda" if cuda else "cpu")
+        kwargs: dict[str, Any] = {"gpu_memory_utilization": v.gpu_memory_utilization} if cuda else {}
+        self._llm = LLM(
+            model=folder,
+            dtype=dtype,
+            seed=self._cfg.grpo.seed,
+            enforce_eager=v.enforce_eager or not cuda,
+            max_model_len=v.max_model_len,
+            max_num_seqs=self._cfg.generation.batch_size,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",  # log softmax(logits / temperature), as the training forward computes
+            **kwargs,
+        )
+
+    def kv_cache_tokens(self) -> int:
+        """Tokens the engine's KV cache holds."""
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def load(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+            worker.model_runner.model.load_weights(iter(items))
+
+        self._llm.collective_rpc(load, args=(list(weights),))
+        self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    # --------------------------------------------------------------------------------------- interface
+    def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        from rl.checkpoint import local_copy
+
+        if weights is None:
+            folder = local_copy(version.path, self._cfg.dataplane.storage_options)
+            if self._llm is None:
+                self._start(folder)
+            else:
+                self._load_weights(_safetensors_weights(folder))
+        else:
+            if self._llm is None:
+                self._start(self._model_path)
+            self._load_weights(weights)
+        self._version = version.step
+
+    def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._llm is None:
+            msg = "the vLLM generation back-end holds no weights yet: call refit(version) first"
+            raise RuntimeError(msg)
+        g = self._cfg.generation
+        eos = int(self._tokenizer.eos_token_id)
+        params = [
+            SamplingParams(
+                n=group_size,
+                temperature=0.0 if greedy else g.temperature,
+                top_p=1.0 if greedy else g.top_p,
+                max_tokens=g.max_new_tokens,
+                seed=request_seed(seed, b),
+                logprobs=0,  # the sampled token's logprob only
+                ignore_eos=True,  # end on the tokenizer's eos alone, as the transformers back-end does
+                stop_token_ids=[eos],
+                detokenize=False,
+            )
+            for b in range(len(prompts))
+        ]
+        slack = self._llm.llm_engine.vllm_config.cache_config.block_size
+        needs = [group_size * (len(p) + g.max_new_tokens + slack) for p in prompts]
+        outputs: list[Any] = []
+        for wave in waves(needs, self.kv_cache_tokens()):
+            outputs += self._llm.generate(
+                [TokensPrompt(prompt_token_ids=prompts[b]) for b in wave], [params[b] for b in wave], use_tqdm=False
+            )
+        rows_prompt, rows_response, rows_lp, rows_finished = [], [], [], []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                rows_prompt.append(prompt)
+                rows_response.append(ids)
+                rows_lp.append([float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)])
+                rows_finished.append(bool(ids) and ids[-1] == eos)
+        return Generated.from_rows(rows_prompt, rows_response, rows_lp, rows_finished)
+
+    def shutdown(self) -> bool:
+        if self._llm is not None:
+            self._llm = None
+            gc.collect()
+            _destroy_parallel_state()
+        self._version = None
+        return True
+
+
+def _safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every ``*.safetensors`` file of an HF folder."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        msg = f"no *.safetensors weights in {folder}"
+        raise FileNotFoundError(msg)
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def _destroy_parallel_state() -> None:
+    """vLLM's process-global model-parallel and distributed state, torn down so a later engine can start."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
