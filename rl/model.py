@@ -95,7 +95,8 @@ def load_tokenizer(path: str) -> Any:
 
 
 def build_tiny_model(target: str | Path, *, tokenizer_source: str, seed: int = 0) -> str:
-    """A randomly initialised 2-layer Llama (hidden 64) with the real tokenizer, for fast tests only."""
+    """A randomly initialised 2-layer Llama (hidden 64, 2 heads of 32, grouped-query) with the real tokenizer, for fast
+    tests only."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -106,8 +107,8 @@ def build_tiny_model(target: str | Path, *, tokenizer_source: str, seed: int = 0
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head_dim 32: the smallest head vLLM's CPU attention supports
+        num_key_value_heads=1,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,

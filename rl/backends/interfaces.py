@@ -162,7 +162,9 @@ class PolicyBackend(abc.ABC):
 
     @abc.abstractmethod
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The policy weights under Hugging Face parameter names, for :meth:`GenerationBackend.refit`."""
+        """The policy weights under Hugging Face parameter names, for :meth:`GenerationBackend.refit`; tied tensors
+        under each of their names (``lm_head.weight`` beside ``model.embed_tokens.weight``): an engine may have untied
+        them."""
 
     @abc.abstractmethod
     def save_checkpoint(self, url: str, *, trainer_state: Any | None = None) -> str:

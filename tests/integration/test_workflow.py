@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -28,12 +29,19 @@ STEP_METRICS = [
 
 
 @pytest.mark.integration
-def test_two_steps_through_local_executor(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "transformers",
+        pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")),
+    ],
+)
+def test_two_steps_through_local_executor(tmp_path, tiny_model_dir, backend):
     from safetensors.torch import load_file
 
     from workflows.grpo import grpo
 
-    cfg = small_config(tmp_path, tiny_model_dir)
+    cfg = small_config(tmp_path, tiny_model_dir, generation={"backend": backend})
     summary = grpo(cfg=cfg)
 
     assert summary.final_step == 2
@@ -43,6 +51,8 @@ def test_two_steps_through_local_executor(tmp_path, tiny_model_dir):
     assert metric_steps(uri, summary.mlflow_run_id, "validation/accuracy") == [2]
     assert metric_steps(uri, summary.mlflow_run_id, "validation/avg_length") == [2]
     assert math.isfinite(summary.metrics["train/loss"])
+    # the generation back-end sampled the policy being trained, step 2 included (its weights were refitted)
+    assert summary.metrics["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
     assert summary.metrics["train/grad_norm"] > 0
 
     ckpt = Path(summary.last_checkpoint)

