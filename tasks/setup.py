@@ -17,10 +17,17 @@ from tasks.types import RunInfo
 def start_run(cfg: GRPOConfig) -> RunInfo:
     """Resolve (and convert once) the model, validate the dataset, create the MLflow run with the
     flattened config as params, and return the run's handle."""
+    from rl.backends.registry import check_installed
     from rl.data import train_problems, val_problems
     from rl.model import resolve_model
     from tasks import tracking
 
+    execution = current_context().execution_id
+    local = execution.name == "local"  # every local execution has this id; a remote one is unique
+    if local:  # every task runs here: a back-end that cannot be imported fails now, not at step 1 (remote tasks
+        # import theirs in their own images)
+        check_installed("generation", cfg.generation.backend)
+        check_installed("policy", cfg.policy.backend)
     model_path = resolve_model(cfg.model.name)
     d = cfg.data
     train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=1)
@@ -28,8 +35,6 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
         val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
     if cfg.checkpointing.resume_run_id:
         return _resume(cfg, cfg.checkpointing.resume_run_id, model_path)
-    execution = current_context().execution_id
-    local = execution.name == "local"  # every local execution has this id; a remote one is unique
     # a retried start_run of a remote execution finds the MLflow run and run id of its first attempt
     run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}" if local else f"run-{execution.name}"
     tags = {

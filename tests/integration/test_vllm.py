@@ -35,6 +35,8 @@ def setup(real_model_dir):
     from rl.data import prompt_token_ids, train_problems
     from rl.model import load_tokenizer
 
+    import flask  # noqa: F401  (as moto's S3 server does in this process: the engine must start beside Flask)
+
     cfg = _cfg(lr=2e-4)  # one step must move the policy well past float noise
     tok = load_tokenizer(real_model_dir)
     gen = VLLMGeneration(cfg, tokenizer=tok, model_path=real_model_dir)

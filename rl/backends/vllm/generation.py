@@ -98,7 +98,7 @@ class VLLMGeneration(GenerationBackend):
         cuda = torch.cuda.is_available()
         dtype = resolve(self._cfg.model.precision, "cuda" if cuda else "cpu")
         kwargs: dict[str, Any] = {"gpu_memory_utilization": v.gpu_memory_utilization} if cuda else {}
-        with _rng_kept():  # an in-process engine seeds the global RNGs; sampling has its own per-request seeds
+        with _rng_kept(), _werkzeug_proxies_hidden():  # an in-process engine seeds the global RNGs: keep ours
             self._llm = LLM(
                 model=folder,
                 dtype=dtype,
@@ -200,6 +200,30 @@ def _model_max_len(folder: str) -> int:
 
     config = json.loads((Path(folder) / "config.json").read_text())
     return int(config.get("max_position_embeddings") or 1 << 30)
+
+
+@contextlib.contextmanager
+def _werkzeug_proxies_hidden() -> Iterator[None]:
+    """Take modules that hold werkzeug ``LocalProxy`` objects out of ``sys.modules`` while an engine starts.
+
+    vLLM's CPU platform rebinds kernels by scanning the globals of every module in ``sys.modules`` with
+    ``hasattr``; an unbound proxy (``flask.current_app`` once Flask is imported, e.g. by moto's S3 server in the
+    tests) raises ``RuntimeError`` there instead of ``AttributeError`` and kills the engine start. The modules stay
+    alive and usable (their importers hold them); they are put back right after.
+    """
+    import sys
+
+    local = sys.modules.get("werkzeug.local")
+    proxy = getattr(local, "LocalProxy", None)
+    hidden = {}
+    if proxy is not None:
+        for name, module in list(sys.modules.items()):
+            if any(type(v) is proxy for v in list(getattr(module, "__dict__", {}).values())):
+                hidden[name] = sys.modules.pop(name)
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 @contextlib.contextmanager
