@@ -22,7 +22,7 @@ def _cfg(**optim):
         {
             "model": {"precision": "float32"},
             "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4},
-            "generation": {"backend": "vllm", "max_new_tokens": 24},
+            "generation": {"backend": "vllm", "max_new_tokens": 24, "batch_size": 256},
             "optim": {"lr": 1e-5, "train_micro_batch_size": 32, "logprob_batch_size": 32, **optim},
         }
     )
@@ -40,7 +40,15 @@ def setup(real_model_dir):
     cfg = _cfg(lr=2e-4)  # one step must move the policy well past float noise
     tok = load_tokenizer(real_model_dir)
     gen = VLLMGeneration(cfg, tokenizer=tok, model_path=real_model_dir)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
     gen.refit(PolicyVersion(step=0, path=real_model_dir))
+    # starting the in-process engine left the rest of the process as it was: RNG stream, thread control
+    assert torch.equal(torch.rand(3), expected)
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)
     policy = HFPolicy(cfg, tokenizer=tok, reference_path=real_model_dir)
     policy.load_checkpoint(PolicyVersion(step=0, path=real_model_dir), with_optimizer=True)
     d = cfg.data
@@ -132,3 +140,15 @@ def test_greedy_validation_runs_on_the_same_engine(setup):
         agree += int((got == top[i, len(p) - 1 : len(p) - 1 + r]).sum())
         total += r
     assert agree / total >= 0.98  # argmax of the same weights; float32 kernels may split a near-tie
+
+
+def test_a_step_of_more_prompt_tokens_than_one_forward_takes(setup):
+    cfg, tok, gen, _, _, _ = setup
+    from rl.data import prompt_token_ids, train_problems
+
+    d = cfg.data
+    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=100, count=16)
+    prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
+    assert 8 * sum(map(len, prompts)) > 4096  # 128 seeded sequences whose prefills exceed one step's 4096 tokens
+    out = gen.generate(prompts, group_size=8, seed=5)
+    assert len(out.input_ids) == 128 and all(len(r) >= 1 for r in out.response_token_ids)

@@ -98,15 +98,20 @@ class VLLMGeneration(GenerationBackend):
         cuda = torch.cuda.is_available()
         dtype = resolve(self._cfg.model.precision, "cuda" if cuda else "cpu")
         kwargs: dict[str, Any] = {"gpu_memory_utilization": v.gpu_memory_utilization} if cuda else {}
-        with _rng_kept(), _werkzeug_proxies_hidden():  # an in-process engine seeds the global RNGs: keep ours
+        max_len = min(v.max_model_len, _model_max_len(folder))
+        with _process_state_kept(), _werkzeug_proxies_hidden():
             self._llm = LLM(
                 model=folder,
                 dtype=dtype,
                 seed=self._cfg.grpo.seed,
                 enforce_eager=v.enforce_eager or not cuda,
-                max_model_len=min(v.max_model_len, _model_max_len(folder)),
+                max_model_len=max_len,
                 max_num_seqs=self._cfg.generation.batch_size,
                 enable_prefix_caching=True,
+                # a seeded request whose prefill is split across steps kills the CPU engine ("CPU Generator does
+                # not use offset"): prefills are scheduled whole, as many as fit this many tokens per step
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_len, 4096),
                 logprobs_mode="processed_logprobs",  # log softmax(logits / temperature), as the training forward computes
                 **kwargs,
             )
@@ -227,19 +232,27 @@ def _werkzeug_proxies_hidden() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _rng_kept() -> Iterator[None]:
-    """Restore torch's, Python's and NumPy's global RNG states on exit."""
+def _process_state_kept() -> Iterator[None]:
+    """Undo what starting an in-process engine does to the rest of the process: it reseeds torch's, Python's and
+    NumPy's global RNGs, turns ``torch.set_num_threads`` into a no-op (its CPU worker's guard), and points
+    ``LD_PRELOAD`` at torch's libgomp for every subprocess started later."""
     import random
 
     import numpy as np
 
     states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    set_threads, preload = torch.set_num_threads, os.environ.get("LD_PRELOAD")
     try:
         yield
     finally:
         torch.set_rng_state(states[0])
         random.setstate(states[1])
         np.random.set_state(states[2])
+        torch.set_num_threads = set_threads
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = preload
 
 
 def _checkpoint_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
