@@ -139,7 +139,8 @@ def test_refit_changes_the_weights_in_place_and_from_a_folder(generator, policy,
     generator.refit(PolicyVersion(step=1, path="unused-when-weights-are-given"), weights=policy.named_weights())  # warm
     assert generator.weight_version == 1
     warm = generator.generate(PROMPTS, group_size=2, seed=1)
-    assert _mult_prob_error(policy.get_logprobs(_padded(warm)), _padded(warm)["generation_logprobs"], _padded(warm)["token_mask"]) == pytest.approx(1.0, abs=1e-3)
+    fresh = _padded(warm)
+    assert _mult_prob_error(policy.get_logprobs(fresh), fresh["generation_logprobs"], fresh["token_mask"]) == pytest.approx(1.0, abs=1e-3)
 
     folder = str(tmp_path / "step_1")
     policy.save_checkpoint(folder)
