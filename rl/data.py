@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -56,7 +57,7 @@ def _chunk(name: str, kwargs: tuple[tuple[str, int], ...], seed: int, split: str
 
 
 def train_problems(
-    *, dataset: str, dataset_kwargs: dict[str, int], seed: int, val_fraction: float, start: int, count: int
+    *, dataset: str, dataset_kwargs: Mapping[str, Any], seed: int, val_fraction: float, start: int, count: int
 ) -> list[Problem]:
     """Problems ``start .. start+count-1`` of the training stream (deterministic, unbounded).
 
@@ -83,7 +84,7 @@ def train_problems(
 
 
 def val_problems(
-    *, dataset: str, dataset_kwargs: dict[str, int], seed: int, val_fraction: float, count: int
+    *, dataset: str, dataset_kwargs: Mapping[str, Any], seed: int, val_fraction: float, count: int
 ) -> list[Problem]:
     """``count`` distinct validation-split questions.
 
@@ -122,7 +123,7 @@ def extract_answer(response: str) -> str:
     return numbers[-1] if numbers else response.strip()
 
 
-def score(problem: Problem, response: str, dataset: str, dataset_kwargs: dict[str, int], seed: int) -> float:
+def score(problem: Problem, response: str, dataset: str, dataset_kwargs: Mapping[str, Any], seed: int) -> float:
     """Reward in [0, 1] from the dataset's own ``score_answer`` on the extracted answer."""
     ds = _dataset(dataset, tuple(sorted(dataset_kwargs.items())), seed)
     return float(ds.score_answer(answer=extract_answer(response), entry=problem.entry))

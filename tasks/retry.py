@@ -1,6 +1,8 @@
 """Which task failures Flyte retries: it re-runs a task (up to its ``retries``) only for system errors and
-``FlyteRecoverableException``; any other user exception fails the execution at once. Storage and network
-errors are usually transient, so tasks raise them as recoverable; bad input stays fatal."""
+``FlyteRecoverableException``; any other user exception fails the execution at once. A failure is raised as
+recoverable when it means something that may go away (``dataplane.errors.is_transient``: a refused or dropped
+connection, a timeout, throttling); corrupt data, missing files and bad input stay fatal: a retry would fail the
+same way."""
 
 from __future__ import annotations
 
@@ -10,25 +12,28 @@ from typing import ParamSpec, TypeVar
 
 from flytekit.exceptions.user import FlyteRecoverableException
 
+from dataplane.errors import is_transient
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
-TRANSIENT = (OSError, TimeoutError, ConnectionError)
-"""I/O failures worth a retry (``FileNotFoundError`` included: an object store may lag a listing)."""
-
 
 def transient_errors_retried(fn: Callable[P, R]) -> Callable[P, R]:
-    """Re-raise :data:`TRANSIENT` errors of ``fn`` as ``FlyteRecoverableException`` (chained, message kept).
+    """Re-raise transient errors of ``fn`` (see :func:`dataplane.errors.is_transient`) as
+    ``FlyteRecoverableException`` (chained, message kept); every other error passes unchanged.
 
-    Every task of a GRPO step is safe to re-run with the same inputs: data-plane writes replace their own
-    earlier attempt, metrics are logged once per step, and the trainer reloads its input checkpoint.
+    Every task of a GRPO step is safe to re-run with the same inputs at any point: data-plane writes replace their
+    own earlier attempt, metrics are logged once per step, the trainer reloads its input checkpoint, and a train
+    task whose first attempt finished returns the policy that attempt saved.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
-        except TRANSIENT as err:
+        except Exception as err:
+            if not is_transient(err):
+                raise
             msg = f"{fn.__name__}: transient {type(err).__name__}: {err} (Flyte retries the task)"
             raise FlyteRecoverableException(msg) from err
 

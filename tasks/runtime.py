@@ -75,6 +75,12 @@ def policy(cfg: GRPOConfig, run: RunInfo, version: PolicyVersion | None = None, 
     return pol
 
 
+def holds_trainer(run: RunInfo, version: PolicyVersion) -> bool:
+    """Whether this process's policy back-end of ``run`` holds ``version`` with its optimizer state."""
+    pol = _BACKENDS.get((run.run_id, "policy"))
+    return pol is not None and pol.weight_version == version.step and pol.has_optimizer_state(version)
+
+
 def discard(run: RunInfo, role: str) -> None:
     """Shut down and forget this process's ``role`` back-end of ``run`` (after a failed update it may be half-way)."""
     backend = _BACKENDS.pop((run.run_id, role), None)

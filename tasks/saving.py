@@ -34,6 +34,16 @@ def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, starte
     return PolicyVersion(step=step, path=url)
 
 
+def saved_version(cfg: GRPOConfig, run: RunInfo, step: int) -> PolicyVersion | None:
+    """The policy of ``step`` where :func:`save_policy` puts it, if that save completed; else None."""
+    from dataplane import paths
+    from rl import checkpoint
+
+    root, so = cfg.dataplane.root, cfg.dataplane.storage_options
+    url = paths.checkpoint_dir(root, run.run_id, step) if checkpoint_due(cfg, step) else paths.weights_step_dir(root, run.run_id, step)
+    return PolicyVersion(step=step, path=url) if checkpoint.is_complete(url, so) else None
+
+
 def prune_finished(cfg: GRPOConfig, run: RunInfo) -> None:
     """At the end of a run: the newest ``keep_last_k`` checkpoints only, no weights-only folders."""
     from dataplane import paths

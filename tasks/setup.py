@@ -55,25 +55,59 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
 
 
 def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
-    """Pick up ``run_id`` at its latest complete checkpoint with trainer state."""
+    """Pick up ``run_id`` at its newest complete checkpoint with trainer state whose files verify against its
+    manifest (:func:`rl.checkpoint.verify`; remote files are hashed as they stream).
+
+    A checkpoint that fails verification (a file missing, truncated or corrupt, or a malformed marker) is skipped
+    with a ``[grpoflow]`` warning on stderr naming it and why; the next older one is tried.
+
+    Args:
+        cfg: the run's config (``dataplane.root``, ``dataplane.storage_options``, ``tracking.uri``).
+        run_id: the run to resume.
+        model_path: the resolved base model folder.
+
+    Returns:
+        the run's handle, starting after the chosen checkpoint's step, its MLflow run marked running again.
+
+    Raises:
+        ValueError: the run has no complete checkpoint with trainer state, or none of them verifies.
+    """
     import json
+    import sys
 
     import fsspec
 
     from dataplane import paths
+    from dataplane.errors import IntegrityError, retry_transient
     from rl import checkpoint
     from tasks import tracking
 
     so = cfg.dataplane.storage_options
-    found = [(s, u) for s, u in checkpoint.list_complete(paths.checkpoints_dir(cfg.dataplane.root, run_id), so) if checkpoint.has_trainer_state(u, so)]
+    where = paths.checkpoints_dir(cfg.dataplane.root, run_id)
+    found = [(s, u) for s, u in checkpoint.list_complete(where, so) if checkpoint.has_trainer_state(u, so)]
     if not found:
-        msg = f"checkpointing.resume_run_id={run_id!r}: no complete checkpoint under {paths.checkpoints_dir(cfg.dataplane.root, run_id)}; check the run id and dataplane.root"
+        msg = f"checkpointing.resume_run_id={run_id!r}: no complete checkpoint under {where}; check the run id and dataplane.root"
         raise ValueError(msg)
-    step, url = found[-1]
+    bad = []
+    for step, url in reversed(found):  # newest first
+        try:
+            checkpoint.verify(url, so)
+            break
+        except IntegrityError as err:
+            bad.append(f"{url}: {err}")
+            print(f"[grpoflow] warning: not resuming from checkpoint {url} (step {step}): {err}", file=sys.stderr, flush=True)
+    else:
+        msg = (
+            f"checkpointing.resume_run_id={run_id!r}: none of the {len(found)} complete checkpoints under {where} "
+            f"verifies: {'; '.join(bad)}"
+        )
+        raise ValueError(msg)
     fs, path = fsspec.core.url_to_fs(url, **so)
-    state = json.loads(fs.cat_file(f"{path}/{checkpoint.TRAINER_STATE}/state.json"))
+    state_path = f"{path.rstrip('/')}/{checkpoint.TRAINER_STATE}/state.json"
+    state = json.loads(retry_transient(lambda: fs.cat_file(state_path), what=f"checkpoint {url}: read its trainer state"))
     tracking.client(cfg.tracking.uri).update_run(state["mlflow_run_id"], status="RUNNING")
-    print(f"[grpoflow] resuming run {run_id} from step {step} ({url}) | MLflow run {state['mlflow_run_id']}", flush=True)
+    older = f", skipping {len(bad)} newer checkpoint(s) that fail verification" if bad else ""
+    print(f"[grpoflow] resuming run {run_id} from step {step} ({url}){older} | MLflow run {state['mlflow_run_id']}", flush=True)
     return RunInfo(
         run_id=run_id,
         mlflow_run_id=state["mlflow_run_id"],

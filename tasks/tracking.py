@@ -71,6 +71,11 @@ def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> 
     return True
 
 
+def has_metric(uri: str, run_id: str, key: str, step: int) -> bool:
+    """Whether the run holds metric ``key`` at ``step``."""
+    return any(m.step == step for m in client(uri).get_metric_history(run_id, key))
+
+
 def set_terminated(uri: str, run_id: str, status: str = "FINISHED") -> None:
     client(uri).set_terminated(run_id, status=status)
 

@@ -1,5 +1,5 @@
 """`train`: one optimizer update on the step's batch, save the next weights (and a checkpoint when due),
-log the step's metrics, clear the step's partition."""
+log the step's metrics, clear the step's partition (last: a retry after any earlier point finds its inputs)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,15 @@ def train(
     started = time.time()
     runtime.set_threads()
     step = policy.step + 1
-    meta = batch.join(prev, ref)
     dp = runtime.dataplane(cfg, run)
+    finished = _finished_attempt(cfg, run, step)
+    if finished is not None:  # an earlier attempt saved, logged and maybe cleared, then died before returning
+        from dataplane.urls import redact
+
+        dp.clear(paths.step_partition(step))
+        print(f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | done by an earlier attempt: {redact(finished.path)}", flush=True)
+        return finished
+    meta = batch.join(prev, ref)
     wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
     backend = runtime.policy(cfg, run, policy, training=True)
     seed_all(step_seed(cfg.grpo.seed, step, "train"))  # the checkpoint's RNG state is a function of the step
@@ -38,7 +45,6 @@ def train(
         trained = time.time()
         new_policy = saving.save_policy(cfg, run, backend, started_from=policy)
         done = time.time()
-        dp.clear(paths.step_partition(step))
     except BaseException:
         # the in-memory policy may have moved past ``policy``: a retry must reload it from storage
         runtime.discard(run, "policy")
@@ -55,6 +61,7 @@ def train(
     out["timing/train/checkpointing"] = done - trained
     out["timing/train/total_step_time"] = time.time() - info["step_started_unix"]
     tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, step)  # once, also when retried or resumed
+    dp.clear(paths.step_partition(step))  # last: until here a retry finds the whole step
     print(
         f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | reward {out['train/reward']:.3f} | loss {out['train/loss']:+.4f}"
         f" | kl {out['train/kl_penalty']:.5f} | gen {out['train/generated_tokens_per_s']:.0f} tok/s"
@@ -62,3 +69,18 @@ def train(
         flush=True,
     )
     return new_policy
+
+
+def _finished_attempt(cfg: GRPOConfig, run: RunInfo, step: int) -> PolicyVersion | None:
+    """The policy of ``step`` if an earlier attempt of this task finished its work: saved it completely, logged the
+    step's metrics (both happen before the clear), and left what the next step needs (the trainer state on storage,
+    or the live trainer of this process at that version). None: this attempt must train."""
+    from rl import checkpoint
+    from tasks import runtime, saving, tracking
+
+    saved = saving.saved_version(cfg, run, step)
+    if saved is None or not tracking.has_metric(cfg.tracking.uri, run.mlflow_run_id, "train/loss", step):
+        return None
+    if checkpoint.has_trainer_state(saved.path, cfg.dataplane.storage_options) or runtime.holds_trainer(run, saved):
+        return saved
+    return None

@@ -5,15 +5,21 @@ weights as a clean run.
 Faults are injected at real boundaries by wrapping the real function so that it does its work (writes its
 output) and then raises a transient error, once:
 - step 1 rollout: after its rows are committed to the data plane;
-- step 1 train: after the new weights and checkpoint are saved (and older ones pruned), before the step
-  partition is cleared and the metrics are logged;
+- step 1 train: after the new weights and checkpoint are saved (and older ones pruned), before the metrics are
+  logged; then, in its second attempt, after the metrics are logged, before the step partition is cleared (a
+  dropped MLflow connection);
 - step 2 reference_logprobs: after its delta write is committed;
-- step 2 train: after the optimizer has updated the in-memory policy, before anything is saved;
+- step 2 train: after the optimizer has updated the in-memory policy, before anything is saved; then, in its
+  second attempt, after the step partition is cleared (a pod lost before the task returned);
 - validation: after its metrics are logged, before its sample table.
+
+A retried write leaves the losing attempt's data file behind as an orphan (no write deletes a file another attempt
+may have committed): the snapshots are taken after `DataPlane.collect_garbage`, which ``finish_run`` calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -46,7 +52,8 @@ def _run(cfg, *, snapshots: list, attempts: list | None = None):
     from tasks.types import PolicyVersion
     from tasks.validate import validate
 
-    run = start_run(cfg=cfg)
+    # one run id for both runs (in their own roots): sample ids hash it, and the two runs' states are compared
+    run = dataclasses.replace(start_run(cfg=cfg), run_id="run-retry-test")
     policy = PolicyVersion(step=0, path=run.start_policy_path)
     for step in (1, 2):
         batch = _retrying(rollout, cfg=cfg, run=run, policy=policy, step=step)
@@ -62,8 +69,12 @@ def _run(cfg, *, snapshots: list, attempts: list | None = None):
 
 
 def _state(cfg, run) -> dict[str, str]:
-    """Everything under the run's data plane folder: relative path -> content digest, with what legitimately
-    differs between two runs normalized (run ids, write-attempt nonces, commit timestamps)."""
+    """Everything under the run's data plane folder once its garbage is collected: relative path -> content
+    digest, with what legitimately differs between two runs normalized (run ids, write-attempt nonces, commit
+    timestamps, the MLflow run id)."""
+    from dataplane.client import DataPlane
+
+    DataPlane(cfg.dataplane.root, run.run_id).collect_garbage()
     root = Path(cfg.dataplane.root) / run.run_id
     out = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
@@ -73,6 +84,10 @@ def _state(cfg, run) -> dict[str, str]:
             doc = json.loads(data)
             doc.pop("created_unix_ns")
             doc["file"] = re.sub(r"-[0-9a-f]{8}\.parquet$", ".parquet", doc["file"])
+            data = json.dumps(doc, sort_keys=True).encode()
+        if path.name == "_COMPLETE":  # the manifest: its digest of state.json covers the MLflow run id
+            doc = json.loads(data)
+            doc["files"] = {k: v["size"] for k, v in doc["files"].items()}
             data = json.dumps(doc, sort_keys=True).encode()
         data = data.replace(run.run_id.encode(), b"RUN").replace(run.mlflow_run_id.encode(), b"MLFLOW_RUN")
         out[rel] = hashlib.sha256(data).hexdigest()
@@ -114,11 +129,9 @@ def test_retried_partial_failures_leave_the_clean_state(tmp_path, tiny_model_dir
     clean_run, clean_policy = _run(clean_cfg, snapshots=clean_snaps)
 
     fired: list[str] = []
-    calls = {"train_on_batch": 0}
 
-    def second_update(*args, **kwargs):
-        calls["train_on_batch"] += 1
-        return calls["train_on_batch"] == 2
+    def second_update(model, optimizer, scheduler, *args, **kwargs):
+        return scheduler.last_epoch == 2  # (checked after the call) the update of step 2, in any attempt
 
     _fail_once_after(monkeypatch, DataPlane, "put", "rollout step 1", fired, lambda self, part, *a, **k: part == "step_000001")
     _fail_once_after(monkeypatch, tasks.saving, "save_policy", "train step 1 after saving", fired, lambda cfg, run, backend, *a, **k: backend.weight_version == 1)
@@ -126,14 +139,16 @@ def test_retried_partial_failures_leave_the_clean_state(tmp_path, tiny_model_dir
         monkeypatch, DataPlane, "write_columns", "ref_lp step 2", fired,
         lambda self, meta, *a, task_name=None, **k: task_name == "ref_lp" and meta.partition_id == "step_000002",
     )
+    _fail_once_after(monkeypatch, tasks.tracking, "log_metrics", "train step 1 after logging", fired, lambda uri, run, metrics, step: step == 1 and "train/loss" in metrics)
     _fail_once_after(monkeypatch, rl.backends.hf.train, "train_on_batch", "train step 2 after the update", fired, second_update)
+    _fail_once_after(monkeypatch, DataPlane, "clear", "train step 2 after the clear", fired, lambda self, part: part == "step_000002")
     _fail_once_after(monkeypatch, tasks.tracking, "log_metrics", "validation after logging", fired, lambda uri, run, metrics, step: "validation/accuracy" in metrics)
 
     faulty_cfg = small_config(tmp_path / "faulty", tiny_model_dir)
     faulty_snaps: list = []
     faulty_run, faulty_policy = _run(faulty_cfg, snapshots=faulty_snaps)
 
-    assert len(fired) == 5, fired  # every fault fired once and every task then succeeded on retry
+    assert len(fired) == 7, fired  # every fault fired once and every task then succeeded on retry
     assert len(clean_snaps) == len(faulty_snaps) == 5
     for i, (a, b) in enumerate(zip(clean_snaps, faulty_snaps)):
         assert a == b, f"data plane state differs at snapshot {i}: {sorted(set(a.items()) ^ set(b.items()))}"

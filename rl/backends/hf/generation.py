@@ -63,7 +63,7 @@ class HFGeneration(GenerationBackend):
         from rl.checkpoint import local_copy
 
         if weights is None:
-            self._model = load_model(local_copy(version.path, self._cfg.dataplane.storage_options))
+            self._model = load_model(local_copy(version.path, self._cfg.dataplane.storage_options, require_complete=version.step > 0))
         else:
             if self._model is None:
                 self._model = load_model(self._model_path)

@@ -76,7 +76,7 @@ class HFPolicy(PolicyBackend):
                 "in separate processes (a remote cluster) need checkpointing.checkpoint_period: 1"
             )
             raise RuntimeError(msg)
-        folder = checkpoint.local_copy(version.path, so)
+        folder = checkpoint.local_copy(version.path, so, require_complete=version.step > 0)
         if self._model is None or self._version != version.step:
             self._model = load_model(folder)
             self._optimizer = self._scheduler = self._optimizer_version = None

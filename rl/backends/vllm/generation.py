@@ -140,7 +140,7 @@ class VLLMGeneration(GenerationBackend):
         from rl.checkpoint import local_copy
 
         if weights is None:
-            folder = local_copy(version.path, self._cfg.dataplane.storage_options)
+            folder = local_copy(version.path, self._cfg.dataplane.storage_options, require_complete=version.step > 0)
             if self._llm is None:
                 self._start(folder)
             else:

@@ -73,7 +73,11 @@ def test_delta_write_subset_and_reorder(dp):
     assert out[F.ADVANTAGES].dtype == torch.bfloat16
 
 
-def test_retried_write_leaves_one_copy(dp):
+def _data_files(dp, part="step_000001"):
+    return sorted(dp.fs.glob(f"{dp._part(part)}/data/*.parquet"))
+
+
+def test_retried_write_leaves_one_copy_and_garbage_collection_removes_the_other(dp):
     meta = dp.put("step_000001", _columns([2, 2]))
     first = nested_from_values(torch.zeros(4), torch.tensor([2, 2]))
     second = nested_from_values(torch.ones(4), torch.tensor([2, 2]))
@@ -82,6 +86,43 @@ def test_retried_write_leaves_one_copy(dp):
     commits = dp._commits(dp._part("step_000001"))
     assert sum(F.PREV_LOGPROBS in c["fields"] for c in commits) == 1
     assert dp.read(meta, [F.PREV_LOGPROBS], layout="jagged")[F.PREV_LOGPROBS].values().tolist() == [1.0] * 4
+    assert len(_data_files(dp)) == 3  # put, the retry, and the first attempt's file: no write deletes a file
+    assert dp.collect_garbage() == {"orphan_data_files": 1, "temp_files": 0}
+    assert len(_data_files(dp)) == 2
+    assert dp.read(meta, [F.PREV_LOGPROBS], layout="jagged")[F.PREV_LOGPROBS].values().tolist() == [1.0] * 4
+
+
+def test_two_attempts_of_one_write_never_leave_a_commit_on_a_deleted_file(dp, monkeypatch):
+    """Attempt A commits, then attempt B uploads and commits while A finishes: each used to delete every other
+    file of the write id after committing, so A deleted the file B's (winning) record names."""
+    import threading
+
+    meta = dp.put("step_000001", _columns([2, 2]))
+    a_committed, b_committed = threading.Event(), threading.Event()
+    real = DataPlane._put_atomic
+
+    def put_atomic(self, path, payload):
+        real(self, path, payload)
+        if "/_commits/" in path:
+            if threading.current_thread().name == "A":
+                a_committed.set()
+                assert b_committed.wait(30)  # A's commit is followed by B's before A goes on
+            else:
+                b_committed.set()
+
+    monkeypatch.setattr(DataPlane, "_put_atomic", put_atomic)
+
+    def attempt(value):
+        dp.write_columns(meta, {F.PREV_LOGPROBS: nested_from_values(torch.full((4,), value), torch.tensor([2, 2]))})
+
+    a = threading.Thread(target=attempt, args=(1.0,), name="A")
+    a.start()
+    assert a_committed.wait(30)
+    attempt(2.0)  # B, in this thread
+    a.join()
+    assert dp.read(meta, [F.PREV_LOGPROBS], layout="jagged")[F.PREV_LOGPROBS].values().tolist() == [2.0] * 4
+    (record,) = [c for c in dp._commits(dp._part("step_000001")) if F.PREV_LOGPROBS in c["fields"]]
+    assert dp.fs.exists(f"{dp._part('step_000001')}/{record['file']}")
 
 
 def test_writes_of_different_fields_both_land(dp):
@@ -111,7 +152,18 @@ def test_bad_writes_raise_before_anything_is_written(dp):
         dp.write_columns(meta, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(5), torch.tensor([3, 2]))})
     with pytest.raises(ValueError, match="not a registered field"):
         dp.write_columns(meta, {"values": torch.zeros(2)})
+    # a per-token field written 1-D, through a meta that carries no lengths: refused, not stored to break reads
+    bare = meta.with_fields([]).__class__(meta.partition_id, list(meta.sample_ids))
+    with pytest.raises(ValueError, match="per-token fields are written jagged"):
+        dp.write_columns(bare, {F.PREV_LOGPROBS: torch.zeros(2)})
+    with pytest.raises(ValueError, match="row lengths differ from input_lengths"):  # lengths from the partition
+        dp.write_columns(bare, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(5), torch.tensor([3, 2]))})
+    with pytest.raises(ValueError, match="trailing dims"):
+        dp.write_columns(meta, {F.PREV_LOGPROBS: torch.nested.nested_tensor([torch.zeros(2, 2), torch.zeros(3, 2)], layout=torch.jagged)})
+    with pytest.raises(ValueError, match="never put"):
+        dp.write_columns(type(meta)("step_000001", ["ghost_g0", "ghost_g1"]), {F.REWARDS: torch.zeros(2)})
     assert len(dp._commits(dp._part("step_000001"))) == before
+    assert dp.read(meta, [F.INPUT_IDS, F.REWARDS])[F.REWARDS].tolist() == pytest.approx([0.0, 0.1])
 
 
 def test_read_errors_name_partition_field_and_ids(dp):
@@ -134,7 +186,7 @@ def test_read_errors_name_partition_field_and_ids(dp):
         dp.read(meta, [F.REWARDS])
 
 
-@pytest.mark.parametrize("bad", ["..", "../x", "/abs", "a/b", "a\x00b", "", ".hidden", "x" * 201])
+@pytest.mark.parametrize("bad", ["..", "../x", "/abs", "a/b", "a\x00b", "", ".hidden", "x" * 201, "step_000001\n", "run-1\r\n"])
 def test_names_cannot_escape_the_root(dp, bad):
     with pytest.raises(ValueError, match="invalid"):
         dp.register_partition(bad, fields=SCHEMA)
@@ -152,3 +204,120 @@ def test_shards_are_plain_parquet(store):
     assert table.num_rows == 2
     assert table.column(F.INPUT_IDS).to_pylist()[1] == [2, 3, 4]
     assert "testing" not in repr(dp) and "secret" not in repr(dp).lower()
+
+
+def _commit_path(dp, part="step_000001"):
+    return dp.fs.glob(f"{dp._part(part)}/_commits/*.json")
+
+
+def test_a_malformed_or_stray_commit_record_is_skipped_by_name(dp):
+    meta = dp.put("step_000001", _columns([2, 3]))
+    dp.write_columns(meta, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(5), torch.tensor([2, 3]))})
+    (prev,) = [p for p in _commit_path(dp) if F.PREV_LOGPROBS in dp.fs.cat_file(p).decode()]
+    dp.fs.pipe_file(prev, b'{"write_id": "abc", "file": "da')  # torn by hand
+    dp.fs.pipe_file(f"{dp._part('step_000001')}/_commits/notes.json", b'{"hello": 1}')  # stray
+    with pytest.warns(UserWarning, match=r"skipped commit record .*notes\.json.*missing or mistyped keys"):
+        out = dp.read(meta, [F.INPUT_IDS, F.REWARDS])  # the rest of the partition reads as before
+    assert out[F.REWARDS].tolist() == pytest.approx([0.0, 0.1])
+    with pytest.warns(UserWarning), pytest.raises(DataPlaneError, match=r"never written.*skipped malformed commit records"):
+        dp.read(meta, [F.PREV_LOGPROBS])
+
+
+def test_a_missing_or_changed_data_file_fails_by_name(dp):
+    import random
+
+    from dataplane.client import IntegrityError
+
+    meta = dp.put("step_000001", _columns([40, 30, 50, 20]))
+    (path,) = _data_files(dp)
+    good = dp.fs.cat_file(path)
+    rng = random.Random(0)
+    for position in [rng.randrange(len(good)) for _ in range(9)]:  # flipped bytes anywhere: header, pages, footer
+        bad = bytearray(good)
+        bad[position] ^= 0x10
+        dp.fs.pipe_file(path, bytes(bad))
+        with pytest.raises(IntegrityError, match="fails its checksum"):
+            dp.read(meta, [F.INPUT_IDS, F.REWARDS])
+    other = DataPlane(dp.root_url, "run-2", storage_options=dp.fs.storage_options)  # a valid file of the same shape
+    other.register_partition("step_000001", fields=SCHEMA)
+    cols = _columns([40, 30, 50, 20])
+    cols[F.REWARDS] = cols[F.REWARDS] + 1
+    other.put("step_000001", cols)
+    (swap,) = _data_files(other)
+    dp.fs.pipe_file(path, other.fs.cat_file(swap))
+    with pytest.raises(IntegrityError, match="fails its checksum"):
+        dp.read(meta, [F.REWARDS])
+    dp.fs.rm(path)
+    with pytest.raises(IntegrityError, match=f"names data file .*{path.rsplit('/', 1)[-1]}, which is missing"):
+        dp.read(meta, [F.REWARDS])
+
+
+def test_sample_ids_belong_to_their_run(store):
+    root, options = store
+    a, b = DataPlane(root, "run-a", storage_options=options), DataPlane(root, "run-b", storage_options=options)
+    for plane, offset in ((a, 0), (b, 100)):
+        plane.register_partition("step_000001", fields=SCHEMA)
+        cols = _columns([2, 3])
+        cols[F.REWARDS] = cols[F.REWARDS] + offset
+        meta = plane.put("step_000001", cols, id_key="rollout")  # the same deterministic key in both runs
+        if plane is a:
+            meta_a = meta
+    assert a.read(meta_a, [F.REWARDS])[F.REWARDS].tolist() == pytest.approx([0.0, 0.1])
+    with pytest.raises(DataPlaneError, match="is the meta of another run"):
+        b.read(meta_a, [F.REWARDS])
+    with pytest.raises(ValueError, match="never put.*another run or partition"):
+        b.write_columns(meta_a, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(5), torch.tensor([2, 3]))})
+
+
+def test_a_field_keeps_its_shape_across_writes(dp):
+    meta = dp.put("step_000001", _columns([2, 3]))
+    dp.register_partition("step_000001", fields={**SCHEMA, "score": "float32"})
+    dp.write_columns(meta, {"score": torch.zeros(2)})
+    with pytest.raises(ValueError, match="Arrow type large_list.*stored it as float"):
+        dp.write_columns(meta.slice(0, 1), {"score": nested_from_values(torch.zeros(2), torch.tensor([2]))})
+
+
+def test_garbage_collection_removes_orphans_and_temps_of_killed_writers(dp):
+    meta = dp.put("step_000001", _columns([2, 3]))
+    part = dp._part("step_000001")
+    dp.fs.pipe_file(f"{part}/data/{'0' * 32}-deadbeef.parquet", b"half a file")  # a writer killed before its commit
+    dp.fs.pipe_file(f"{part}/_commits/{'0' * 32}.json.tmp-{'1' * 32}", b"{")  # killed before its rename
+    ckpts = f"{part.rsplit('/', 1)[0]}/checkpoints"  # a checkpoint save killed mid-way, and one mid-swap
+    for folder, payload in ((f".step_000002.tmp-{'2' * 32}", b"half"), (f".step_000001.old-{'3' * 32}", b"old"), ("step_000001", b"kept")):
+        if dp._local:
+            dp.fs.makedirs(f"{ckpts}/{folder}", exist_ok=True)
+        dp.fs.pipe_file(f"{ckpts}/{folder}/model.safetensors", payload)
+    assert dp.collect_garbage() == {"orphan_data_files": 1, "temp_files": 3}
+    assert len(_data_files(dp)) == 1 and len(_commit_path(dp)) == 1
+    assert [p.rsplit("/", 2)[-2] for p in dp.fs.find(ckpts)] == ["step_000001"]
+    assert not dp.fs.glob(f"{part}/_commits/*tmp*")
+    assert dp.read(meta, [F.REWARDS])[F.REWARDS].tolist() == pytest.approx([0.0, 0.1])
+    assert dp.collect_garbage() == {"orphan_data_files": 0, "temp_files": 0}
+
+
+def test_transient_storage_errors_are_retried_and_permanent_ones_are_not(dp, monkeypatch):
+    import dataplane.errors
+
+    monkeypatch.setattr(dataplane.errors.time, "sleep", lambda s: None)
+    meta = dp.put("step_000001", _columns([2, 3]))
+    real = dp.fs.cat  # s3fs binds its sync methods per instance: patch the instance
+    failures = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        if failures["n"] < 3:
+            failures["n"] += 1
+            raise ConnectionRefusedError(111, "Connection refused")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dp.fs, "cat", flaky)
+    assert dp.read(meta, [F.REWARDS])[F.REWARDS].tolist() == pytest.approx([0.0, 0.1])
+    assert failures["n"] == 3
+
+    def gone(*args, **kwargs):
+        failures["n"] += 1
+        raise PermissionError("access denied")
+
+    monkeypatch.setattr(dp.fs, "cat", gone)
+    with pytest.raises(PermissionError):
+        dp.read(meta, [F.REWARDS])
+    assert failures["n"] == 4  # once: a permanent error is not retried

@@ -70,3 +70,252 @@ def test_load_yaml_json_inline(tmp_path):
     assert load_config('{"generation": {"max_new_tokens": 5}}').generation.max_new_tokens == 5
     with pytest.raises(ValueError, match="neither an existing"):
         load_config("missing.yaml")
+
+
+# ---------------------------------------------------------------- types are checked, never coerced
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "match"),
+    [
+        ("grpo", {"val_at_start": "no"}, r"config grpo.val_at_start: expected true or false, got the string 'no'; "),
+        ("grpo", {"val_at_start": "false"}, r"config grpo.val_at_start: expected true or false, got the string 'false'"),
+        ("grpo", {"normalize_rewards": 1}, r"config grpo.normalize_rewards: expected true or false, got the number 1"),
+        ("grpo", {"max_num_steps": 3.5}, r"config grpo.max_num_steps: expected a whole number, got the number 3.5"),
+        ("grpo", {"max_num_steps": True}, r"config grpo.max_num_steps: expected a whole number, got the boolean true"),
+        ("grpo", {"max_num_steps": "4"}, r"config grpo.max_num_steps: expected a whole number, got the string '4'"),
+        ("generation", {"vllm_cfg": {"max_model_len": 2048.5}}, r"config generation.vllm_cfg.max_model_len: expected a whole number"),
+        ("optim", {"lr": float("nan")}, r"config optim.lr: expected a finite number, got the number nan"),
+        ("optim", {"lr": float("inf")}, r"config optim.lr: expected a finite number, got the number inf"),
+        ("optim", {"lr": float("-inf")}, r"config optim.lr: expected a finite number"),
+        ("optim", {"lr": "nan"}, r"config optim.lr: expected a finite number, got the string 'nan'"),
+        ("optim", {"lr": "fast"}, r"config optim.lr: expected a finite number, got the string 'fast'"),
+        ("optim", {"lr": False}, r"config optim.lr: expected a finite number, got the boolean false"),
+        ("grpo", {"advantage_clip": float("nan")}, r"config grpo.advantage_clip: expected a finite number or null"),
+        ("loss", {"ratio_clip_c": float("inf")}, r"config loss.ratio_clip_c: expected a finite number or null"),
+        ("model", {"name": 3}, r"config model.name: expected a string, got the number 3"),
+        ("tracking", {"run_name": 5}, r"config tracking.run_name: expected a string or null, got the number 5"),
+        ("dataplane", {"storage_options": "anon"}, r"config dataplane.storage_options: expected a mapping"),
+        ("dataplane", {"storage_options": {"retries": float("nan")}}, r"config dataplane.storage_options.retries: expected a finite number"),
+        ("data", {"dataset_kwargs": {"min_terms": [2]}}, r"config data.dataset_kwargs.min_terms: expected a bool, number, string or null"),
+        ("data", {"dataset_kwargs": {1: 2}}, r"config data.dataset_kwargs: key 1 is the number 1, not a string"),
+    ],
+)
+def test_wrong_types_are_refused_naming_their_key(section, values, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict({section: values})
+
+
+def _sections(cls, prefix=""):
+    """(dotted key, annotation) of every leaf field of the config tree."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _sections(hint, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", hint
+
+
+@pytest.mark.parametrize(("key", "hint"), list(_sections(GRPOConfig)))
+def test_every_field_is_type_checked(key, hint):
+    """A generic check, so that a field added later cannot skip it: a list fits no field's type."""
+    *path, name = key.split(".")
+    data: dict = {}
+    node = data
+    for part in path:
+        node = node.setdefault(part, {})
+    node[name] = [1]
+    with pytest.raises(ValueError, match=rf"^config {key}: expected "):
+        config_from_dict(data)
+
+
+def test_sections_built_directly_are_checked_too():
+    from rl.config import GRPOSettings, TrackingConfig
+
+    with pytest.raises(ValueError, match=r"config grpo.val_at_start: expected true or false, got the string 'no'"):
+        GRPOSettings(val_at_start="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"config grpo: expected a GRPOSettings section, got a mapping"):
+        GRPOConfig(grpo={"max_num_steps": 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"config tracking.uri: is empty"):
+        TrackingConfig(uri="")
+
+
+def test_numbers_are_normalized_to_their_field_type():
+    cfg = config_from_dict(
+        {
+            "grpo": {"max_num_steps": 3.0, "advantage_clip": "3"},
+            "optim": {"lr": "1e-5", "max_grad_norm": 1},
+            "generation": {"vllm_cfg": {"gpu_memory_utilization": 1}},
+        }
+    )
+    assert cfg.grpo.max_num_steps == 3 and type(cfg.grpo.max_num_steps) is int
+    assert cfg.grpo.advantage_clip == 3.0 and type(cfg.grpo.advantage_clip) is float
+    assert cfg.optim.lr == 1e-5 and type(cfg.optim.lr) is float
+    assert type(cfg.optim.max_grad_norm) is float and type(cfg.generation.vllm_cfg.gpu_memory_utilization) is float
+
+
+def test_yaml_exponent_without_a_dot_is_a_float(tmp_path):
+    # PyYAML (YAML 1.1) reads `1e-5` as the string '1e-5'; it is meant as a number
+    y = tmp_path / "c.yaml"
+    y.write_text("optim:\n  lr: 1e-5\ngrpo:\n  val_at_start: 'no'\n")
+    with pytest.raises(ValueError, match="grpo.val_at_start"):
+        load_config(str(y))
+    y.write_text("optim:\n  lr: 1e-5\ngrpo:\n  val_at_start: no\n")  # unquoted `no` is YAML 1.1's false
+    cfg = load_config(str(y))
+    assert cfg.optim.lr == 1e-5 and type(cfg.optim.lr) is float and cfg.grpo.val_at_start is False
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # flytekit's import of click.__version__
+def test_from_json_as_pyflyte_run_parses_cfg():
+    """``pyflyte run workflows/grpo.py grpo --cfg '<json>'``: flytekit's JsonParamType calls GRPOConfig.from_json."""
+    from flytekit.interaction.click_types import JsonParamType
+
+    parse = JsonParamType(GRPOConfig)
+    with pytest.raises(ValueError, match="config grpo.val_at_start: expected true or false"):
+        parse.convert('{"grpo": {"val_at_start": "no"}}', None, None)
+    with pytest.raises(ValueError, match="config grpo.max_num_steps: expected a whole number"):
+        parse.convert('{"grpo": {"max_num_steps": 3.5}}', None, None)
+    with pytest.raises(ValueError, match="config optim.lr: expected a finite number"):
+        parse.convert('{"optim": {"lr": NaN}}', None, None)
+    cfg = parse.convert('{"dataplane": {"storage_options": {"anon": false}}}', None, None)
+    assert cfg.dataplane.storage_options == {"anon": False}
+
+
+def _round_trip(cfg):
+    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+
+    ctx = FlyteContextManager.current_context()
+    literal = TypeEngine.to_literal(ctx, cfg, GRPOConfig, TypeEngine.to_literal_type(GRPOConfig))
+    return TypeEngine.to_python_value(ctx, literal, GRPOConfig)
+
+
+def test_json_values_keep_their_types_through_a_task_boundary():
+    """flytekit's dataclass transformer (mashumaro) turned ``dict[str, str]`` values into strings: ``False`` -> 'False'."""
+    cfg = config_from_dict(
+        {
+            "dataplane": {"storage_options": {"anon": False, "retries": 3, "client_kwargs": {"region_name": "us-east-1"}}},
+            "data": {"dataset_kwargs": {"min_terms": 2, "p_negative": 0.5, "allow_zero": True, "style": "plain"}},
+        }
+    )
+    back = _round_trip(cfg)
+    assert back == cfg
+    so = back.dataplane.storage_options
+    assert so["anon"] is False and so["retries"] == 3 and so["client_kwargs"] == {"region_name": "us-east-1"}
+    kw = back.data.dataset_kwargs
+    assert type(kw["min_terms"]) is int and kw["p_negative"] == 0.5 and kw["allow_zero"] is True and kw["style"] == "plain"
+
+
+def _task_input(section: str, key: str, value):
+    """A GRPOConfig literal as a task receives one built outside our dataclass (a dict, the console's launch form)."""
+    import msgpack
+    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.models.literals import Binary, Literal, Scalar
+
+    data = GRPOConfig().to_dict()
+    data[section][key] = value
+    literal = Literal(scalar=Scalar(binary=Binary(value=msgpack.dumps(data), tag="msgpack")))
+    return TypeEngine.to_python_value(FlyteContextManager.current_context(), literal, GRPOConfig)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "match"),
+    [
+        ("grpo", "val_at_start", "no", "config grpo.val_at_start: expected true or false"),  # mashumaro: bool("no") is True
+        ("grpo", "max_num_steps", 3.5, "config grpo.max_num_steps: expected a whole number"),  # mashumaro: int(3.5) is 3
+        ("model", "name", 3, "config model.name: expected a string"),  # mashumaro: str(3)
+    ],
+)
+def test_a_task_refuses_a_wrong_type_instead_of_coercing_it(section, key, value, match):
+    with pytest.raises(ValueError) as err:
+        _task_input(section, key, value)
+    chain = []
+    exc: BaseException | None = err.value
+    while exc is not None:  # mashumaro wraps our error of a nested section in InvalidFieldValue
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    assert any(match in message for message in chain), chain
+
+
+def test_a_task_accepts_well_typed_input():
+    assert _task_input("optim", "lr", 2e-5).optim.lr == 2e-5
+    assert _task_input("grpo", "max_num_steps", 4.0).grpo.max_num_steps == 4  # a JSON struct's 4.0 for an int
+
+
+# ---------------------------------------------------------------- credentials
+
+
+def test_flat_params_redact_credentials_in_urls():
+    cfg = config_from_dict(
+        {"tracking": {"uri": "http://alice:s3cret@host:5000"}, "dataplane": {"root": "s3://AKIA:hush@bucket/prefix"}}
+    )
+    params = cfg.flat_params()
+    assert params["tracking.uri"] == "http://***@host:5000"
+    assert params["dataplane.root"] == "s3://***@bucket/prefix"
+    assert not any("s3cret" in v or "hush" in v for v in params.values())
+    assert cfg.tracking.uri == "http://alice:s3cret@host:5000"  # MLflow itself still gets the real URI
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"passwd": "x"}, "dataplane.storage_options.passwd"),
+        ({"pwd": "x"}, "dataplane.storage_options.pwd"),
+        ({"auth": "x"}, "dataplane.storage_options.auth"),
+        ({"credentials": "x"}, "dataplane.storage_options.credentials"),
+        ({"session": "x"}, "dataplane.storage_options.session"),
+        ({"headers": {"Authorization": "Bearer x"}}, "dataplane.storage_options.headers"),
+        ({"client_kwargs": {"aws_secret_access_key": "x"}}, "dataplane.storage_options.client_kwargs.aws_secret_access_key"),
+        ({"client_kwargs": {"aws_session_token": "x"}}, "dataplane.storage_options.client_kwargs.aws_session_token"),
+        ({"endpoint_url": "http://u:p@minio:9000"}, "dataplane.storage_options.endpoint_url"),
+    ],
+)
+def test_credentials_in_storage_options_are_refused(options, key):
+    with pytest.raises(ValueError, match=rf"config {key}: .*environment \(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY"):
+        config_from_dict({"dataplane": {"storage_options": options}})
+
+
+def test_non_secret_storage_options_are_accepted():
+    options = {
+        "endpoint_url": "http://minio:9000",
+        "anon": False,
+        "use_ssl": True,
+        "requester_pays": True,
+        "client_kwargs": {"region_name": "us-east-1"},
+        "config_kwargs": {"signature_version": "s3v4"},
+        "s3_additional_kwargs": {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/runs"},
+    }
+    assert config_from_dict({"dataplane": {"storage_options": options}}).dataplane.storage_options == options
+
+
+# ---------------------------------------------------------------- URLs
+
+
+@pytest.mark.parametrize(
+    ("root", "match"),
+    [
+        ("s3:/bucket", r"config dataplane.root: 's3:/bucket' looks like a URL with a malformed scheme"),
+        ("s3:bucket", r"config dataplane.root: .*malformed scheme"),
+        ("S3//bucket", r"config dataplane.root: .*missing the ':'"),
+        ("s4://x", r"config dataplane.root: .*protocol 's4' is not known"),
+        ("", r"config dataplane.root: is empty"),
+        ("s3://bucket/p?x=1", r"config dataplane.root: .*query or fragment"),
+    ],
+)
+def test_bad_dataplane_roots_are_refused(root, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict({"dataplane": {"root": root}})
+
+
+def test_tracking_uri_is_checked_loosely():
+    with pytest.raises(ValueError, match="config tracking.uri: is empty"):
+        config_from_dict({"tracking": {"uri": ""}})
+    with pytest.raises(ValueError, match="config tracking.uri: .*leading or trailing spaces"):
+        config_from_dict({"tracking": {"uri": " http://host:5000"}})
+    for uri in ("http://user:pw@host:5000", "sqlite:///runs/mlflow.db", "runs/mlruns", "databricks"):
+        assert config_from_dict({"tracking": {"uri": uri}}).tracking.uri == uri

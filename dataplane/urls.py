@@ -1,0 +1,182 @@
+"""URL hygiene for the data plane root and other configured URLs: `check_root` refuses roots that fsspec
+would silently read as something else (``s3:/bucket`` is a local folder ``s3:``), `redact` hides credentials
+before a URL is logged, and `is_secret_key` tells option names that hold credentials. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["check_root", "has_userinfo", "is_secret_key", "redact"]
+
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*"
+# `scheme://userinfo@`: the userinfo runs to the last '@' of the authority (it ends at the first '/', '?' or '#').
+_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME}://)(?P<userinfo>[^/?#]*@)")
+# a secret-named query parameter: `?password=...`, `&X-Amz-Signature=...`
+_QUERY_PARAM = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;#]+)=(?P<value>[^&;#]*)")
+_LOCAL = frozenset({"file", "local"})
+_COMMON = ("s3", "gs", "gcs", "az", "abfs", "file", "memory", "http", "https", "sftp")
+
+# Option names that hold credentials: matched as a substring of the lowercased name ...
+_SECRET_PARTS = ("secret", "passw", "pwd", "token", "credential", "auth", "apikey", "accesskey", "privatekey")
+# ... or as one word of it (split at '_', '-', '.', spaces and camelCase): `key` (s3fs's access key id),
+# `aws_access_key_id`, `session`, `headers` (an ``Authorization`` header), `cookie(s)`, `signature` (``X-Amz-Signature``).
+_SECRET_WORDS = frozenset({"key", "session", "headers", "header", "cookie", "cookies", "signature", "sig"})
+# ... unless it is a known non-secret: a KMS key *id* names a key without being one; botocore's `signature_version`.
+_NOT_SECRET_PARTS = ("kms", "signature_version")
+
+
+def _words(name: str) -> list[str]:
+    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", name)
+    return [w.lower() for w in re.split(r"[\s_.\-]+", spaced) if w]
+
+
+def is_secret_key(name: str) -> bool:
+    """Whether an option name (of fsspec ``storage_options``, a header, a query parameter) holds a credential.
+
+    Args:
+        name: the option's name, e.g. ``aws_secret_access_key``, ``endpoint_url``, ``SSEKMSKeyId``.
+
+    Returns:
+        True for names like ``key``, ``secret``, ``token``, ``password``/``passwd``/``pwd``, ``auth``,
+        ``headers``, ``credential(s)``, ``session``, ``aws_access_key_id``; False for ``endpoint_url``, ``anon``,
+        ``region_name``, ``use_ssl``, ``requester_pays``, ``client_kwargs`` and KMS key ids.
+    """
+    low = name.lower()
+    if any(part in low for part in _NOT_SECRET_PARTS):
+        return False
+    return any(part in low for part in _SECRET_PARTS) or any(word in _SECRET_WORDS for word in _words(name))
+
+
+def has_userinfo(url: str) -> bool:
+    """Whether ``url`` carries credentials in its authority (``scheme://user:password@host``).
+
+    Args:
+        url: any string; only ``scheme://...@`` parts count.
+    """
+    return _USERINFO.search(url) is not None
+
+
+def redact(url: str) -> str:
+    """``url`` safe to log: the userinfo of every ``scheme://userinfo@host`` replaced by ``***``, and the values of
+    secret-named query parameters (``?password=...``, ``&X-Amz-Signature=...``) by ``***``.
+
+    ``http://alice:s3cret@host:5000/x`` -> ``http://***@host:5000/x``; URLs without credentials, local paths and
+    ``sqlite:///...`` come back unchanged.
+
+    Args:
+        url: a URL or a path.
+
+    Returns:
+        The redacted string.
+    """
+    out = _USERINFO.sub(lambda m: f"{m['scheme']}***@", url)
+    if "?" in out:
+        head, _, tail = out.partition("?")
+        tail = _QUERY_PARAM.sub(
+            lambda m: f"{m['lead']}{m['name']}=***" if is_secret_key(m["name"]) else m[0], "?" + tail
+        )
+        out = head + tail
+    return out
+
+
+def _known() -> set[str]:
+    import fsspec  # here: importing it takes ~0.2 s, and `redact` callers need none of it
+
+    return set(fsspec.available_protocols())
+
+
+def _known_hint(known: set[str]) -> str:
+    common = [p for p in _COMMON if p in known]
+    return f"use a known protocol ({', '.join(p + '://' for p in common)}, ... {len(known)} in all) or a local folder"
+
+
+def _check_protocol(proto: str, url: str, known: set[str]) -> None:
+    if not re.fullmatch(_SCHEME, proto):
+        msg = f"{url!r} has a malformed protocol {proto!r}; write e.g. 's3://bucket/prefix' or a local folder"
+        raise ValueError(msg)
+    if proto in known:
+        return
+    if proto.lower() in known:
+        msg = f"{url!r}: protocol {proto!r} is not known to fsspec (protocols are lowercase); write {proto.lower() + url[len(proto):]!r}"
+        raise ValueError(msg)
+    msg = f"{url!r}: protocol {proto!r} is not known to fsspec; {_known_hint(known)}"
+    raise ValueError(msg)
+
+
+def check_root(url: str) -> str:
+    """Check that ``url`` is a data plane root fsspec reads as meant, and return it unchanged.
+
+    Accepted: a local folder (``runs``, ``./runs``, ``/tmp/dp``), ``file:///tmp/dp``, ``proto://...`` with a
+    protocol fsspec knows (``s3://bucket/prefix``, ``memory://dp``, ``gs://...``), and fsspec chains
+    (``simplecache::s3://bucket``). Whether the protocol's package (s3fs, gcsfs, ...) is installed is not checked.
+
+    Args:
+        url: the root, e.g. ``DataPlaneConfig.root``.
+
+    Returns:
+        ``url``.
+
+    Raises:
+        ValueError: ``url`` is not a string, is empty or padded with spaces; looks like a URL with a broken scheme
+            (``s3:/bucket``, ``s3:bucket``, ``s3//bucket``: fsspec would make a local folder of it); names a
+            protocol fsspec does not know (``s4://x``) or names nothing after ``proto://``; or has a query or
+            fragment (``?...``, ``#...``), which object stores would take as part of the key.
+    """
+    if not isinstance(url, str):
+        msg = f"expected a string, got {type(url).__name__}; write a folder or a URL such as 's3://bucket/prefix'"
+        raise ValueError(msg)
+    try:
+        return _check_root(url)
+    except ValueError as err:  # the message quotes the URL: never with its credentials
+        raise ValueError(redact(str(err))) from None
+
+
+def _check_root(url: str) -> str:
+    if not url.strip():
+        msg = "is empty; use a folder (e.g. 'runs') or a URL such as 's3://bucket/prefix'"
+        raise ValueError(msg)
+    if url != url.strip():
+        msg = f"{url!r} has leading or trailing spaces; write {url.strip()!r}"
+        raise ValueError(msg)
+    parts = url.split("::")
+    if "://" not in url and len(parts) == 1:
+        return _check_local(url)
+    known = _known()
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if "://" not in part:
+            if last:  # `simplecache::runs`: a chain ending in a local path
+                _check_local(part)
+            else:  # `simplecache::...`: a bare protocol name in front of the target
+                _check_protocol(part, url, known)
+            continue
+        proto, rest = part.split("://", 1)
+        _check_protocol(proto, url, known)
+        if last and not rest.strip("/"):
+            msg = f"{url!r} names no bucket or folder after {proto + '://'!r}; write e.g. {proto + '://bucket/prefix'!r}"
+            raise ValueError(msg)
+        if "?" in rest or "#" in rest:
+            msg = f"{url!r} has a query or fragment ('?' or '#'), which fsspec would take as part of the path; drop it"
+            raise ValueError(msg)
+    return url
+
+
+def _check_local(path: str) -> str:
+    first = re.split(r"[/\\]", path, maxsplit=1)[0]
+    if os.name == "nt" and re.fullmatch(r"[A-Za-z]:", first):  # a Windows drive, `C:\runs`
+        return path
+    scheme = re.match(rf"({_SCHEME}):", first)
+    if scheme:  # `s3:/bucket`, `s3:bucket`, `s3:`: fsspec reads these as a local folder named `s3:`
+        name, known = scheme[1], _known()
+        rest = path[len(name) + 1 :].lstrip("/\\")
+        fix = f"write {name.lower() + '://' + (rest or 'bucket')!r}" if name.lower() in known else _known_hint(known)
+        msg = f"{path!r} looks like a URL with a malformed scheme {name + ':'!r} (a URL needs '://'), and fsspec would read it as a local folder {first!r}; {fix}"
+        raise ValueError(msg)
+    slashes = re.match(rf"({_SCHEME})//", path)
+    if slashes and slashes[1].lower() in _known() - _LOCAL:  # `s3//bucket`, `S3//bucket`
+        name = slashes[1]
+        msg = f"{path!r} looks like a URL missing the ':' after {name!r}, and fsspec would read it as a local folder; write {name.lower() + ':' + path[len(name):]!r}"
+        raise ValueError(msg)
+    return path
