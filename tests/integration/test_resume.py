@@ -24,7 +24,9 @@ def _launch(cfg_json: str) -> subprocess.Popen:
         "import sys; from rl.config import GRPOConfig; from workflows.grpo import grpo; "
         "grpo(cfg=GRPOConfig.from_json(sys.argv[1]))"
     )
-    env = {**os.environ, "GRPOFLOW_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "FLYTE_LOCAL_CACHE_ENABLED": "false"}
+    # the default thread count: the run must be exact without GRPOFLOW_NUM_THREADS / OMP_NUM_THREADS pinning it to 1
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPOFLOW_NUM_THREADS", "OMP_NUM_THREADS")}
+    env["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
     return subprocess.Popen([sys.executable, "-c", code, cfg_json], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

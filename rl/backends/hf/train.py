@@ -105,6 +105,28 @@ def _embedding_grads_by_row(model: torch.nn.Module) -> Iterator[None]:
         del emb.forward
 
 
+@contextlib.contextmanager
+def _reproducible_accumulation() -> Iterator[None]:
+    """Run the update with torch's deterministic algorithms, so that it is the same bit for bit at any thread count.
+
+    On CPU with more than one thread, ``index_put_(accumulate=True)`` on 32,768 or more elements (the backward of
+    ``x[idx]`` with repeated indices: the prefix KV-cache select of ``forward_logprobs``, ``weight[targets]`` in
+    the LM head) adds with unordered atomics, so two identical runs of the default job ended ~1 ulp apart after a
+    few steps. Deterministic mode makes that kernel serial. Uninitialized memory is not filled (a cost that buys
+    nothing here: nothing reads it). Both settings are process-wide and restored on exit.
+    """
+    import torch.utils.deterministic as det
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        det.fill_uninitialized_memory = before[2]
+
+
 def train_on_batch(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -137,35 +159,36 @@ def train_on_batch(
     if threshold is not None:  # mask sequences whose generation logprobs disagree with pi_old (NeMo-RL grpo_sync)
         err = seq_mult_prob_error(batch["generation_logprobs"], batch["prev_logprobs"], batch["token_mask"])  # [N]
         batch["sample_mask"] = batch["sample_mask"].bool() & (err <= threshold)
-    model.train()
-    for g0 in range(0, n, gbs):
-        rows = slice(g0, g0 + gbs)
-        mask = loss_mask(batch["token_mask"][rows], batch["sample_mask"][rows])
-        global_toks = float(mask.sum().clamp(min=1))
-        global_seqs = float(batch["sample_mask"][rows].float().sum().clamp(min=1))
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        # micro-batches in row order: a rollout's groups stay together and share their prompt's forward
-        # (rl.backends.hf.logprobs.forward_logprobs); the global normalization makes the split irrelevant to the update
-        order = torch.arange(g0, min(g0 + gbs, n))  # [gbs]
-        # autocast: weights are cast to bf16 once per update, not per micro-batch
-        with autocast(model, cfg.model.precision), _embedding_grads_by_row(model):
-            for m0 in range(0, len(order), mbs):
-                mb = order[m0 : m0 + mbs]  # [m]
-                width = int(batch["input_lengths"][mb].max())
-                cut = {k: (v[mb, :width] if v.dim() == 2 else v[mb]) for k, v in batch.items()}
-                loss, sums, errors = _micro_batch_loss(model, cut, cfg, global_toks=global_toks, global_seqs=global_seqs)
-                loss.backward()
-                seq_errors.append(errors)
-                step_loss += float(loss.detach())
-                for k, v in sums.items():
-                    totals[k] = totals.get(k, 0.0) + float(v)
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        optimizer.step()
-        scheduler.step()
-        losses.append(step_loss)
-    model.eval()
+    with _reproducible_accumulation():  # bit-for-bit the same update at any thread count
+        model.train()
+        for g0 in range(0, n, gbs):
+            rows = slice(g0, g0 + gbs)
+            mask = loss_mask(batch["token_mask"][rows], batch["sample_mask"][rows])
+            global_toks = float(mask.sum().clamp(min=1))
+            global_seqs = float(batch["sample_mask"][rows].float().sum().clamp(min=1))
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            # micro-batches in row order: a rollout's groups stay together and share their prompt's forward
+            # (rl.backends.hf.logprobs.forward_logprobs); the global normalization makes the split irrelevant to the update
+            order = torch.arange(g0, min(g0 + gbs, n))  # [gbs]
+            # autocast: weights are cast to bf16 once per update, not per micro-batch
+            with autocast(model, cfg.model.precision), _embedding_grads_by_row(model):
+                for m0 in range(0, len(order), mbs):
+                    mb = order[m0 : m0 + mbs]  # [m]
+                    width = int(batch["input_lengths"][mb].max())
+                    cut = {k: (v[mb, :width] if v.dim() == 2 else v[mb]) for k, v in batch.items()}
+                    loss, sums, errors = _micro_batch_loss(model, cut, cfg, global_toks=global_toks, global_seqs=global_seqs)
+                    loss.backward()
+                    seq_errors.append(errors)
+                    step_loss += float(loss.detach())
+                    for k, v in sums.items():
+                        totals[k] = totals.get(k, 0.0) + float(v)
+            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            optimizer.step()
+            scheduler.step()
+            losses.append(step_loss)
+        model.eval()
     optimizer.zero_grad(set_to_none=True)
     toks = max(totals.pop("valid_toks", 0.0), 1.0)
     metrics = {k: v / toks for k, v in totals.items()}

@@ -26,6 +26,13 @@ def _translated(err: BaseException) -> BaseException:
     return translate_boto_error(err)
 
 
+def _mlflow_error(message: str) -> BaseException:
+    """What MLflow's REST client raises when it gives up (it does not chain the requests error)."""
+    from mlflow.exceptions import MlflowException
+
+    return MlflowException(message)
+
+
 def _corrupt_parquet_error() -> BaseException:
     """What pyarrow raises for a Parquet file with flipped bytes: an ``OSError`` for most positions."""
     import io
@@ -58,6 +65,9 @@ def test_transient_errors(tmp_path):
         _client_error("SlowDown", 503),
         _translated(_client_error("InternalError", 500)),
         _translated(_client_error("ServiceUnavailable", 503)),
+        _mlflow_error("API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/log-batch failed with exception "
+                      "HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded with url: ... (Caused by "
+                      "NewConnectionError('Failed to establish a new connection: [Errno 111] Connection refused'))"),
     ]:
         assert is_transient(err), repr(err)
 
@@ -75,6 +85,7 @@ def test_permanent_errors(tmp_path):
         DataPlaneError("partition 'step_000001' does not exist"),
         ValueError("bad config"),
         OSError("an OSError that says nothing about the network"),
+        _mlflow_error("Run 'abc' not found"),
     ]:
         assert not is_transient(err), repr(err)
 

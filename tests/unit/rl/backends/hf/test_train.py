@@ -163,3 +163,45 @@ def test_the_update_follows_the_plain_forward_gradient_of_the_grpo_loss(tiny64):
     assert tiny64.get_input_embeddings().weight is tiny64.get_output_embeddings().weight  # the tied case is covered
     for (name, _), a, b in zip(tiny64.named_parameters(), opt.grads, plain, strict=True):
         assert ((a - b).norm() / b.norm()).item() < 1e-6, name  # float32 attention softmax, as in the test above
+
+
+
+def test_the_update_accumulates_indexed_gradients_reproducibly(tiny64, monkeypatch):
+    """Identical runs of the default job at 2 threads ended ~1 ulp apart: on CPU with >1 thread the backward of
+    ``x[idx]`` with repeated indices (``index_put_(accumulate=True)``: the shared-prompt KV select of
+    ``forward_logprobs``, ``weight[targets]`` in the LM head) adds with unordered atomics once it spans 32,768
+    elements. The update runs with torch's deterministic algorithms (that kernel then runs serially), and leaves
+    the setting as it found it."""
+    import rl.backends.hf.train as train
+
+    seen = []
+    real = train._micro_batch_loss
+
+    def probe(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "_micro_batch_loss", probe)
+    model = copy.deepcopy(tiny64)
+    cfg = _cfg(4)
+    opt, sched = make_optimizer(model, cfg)
+    train_on_batch(model, opt, sched, _batch(), cfg)
+    assert seen == [True, True]
+    assert torch.are_deterministic_algorithms_enabled() is False
+
+    # the kernel itself, at the size of SmolLM2's LM head: 20 of 20 repeats differed without the setting here
+    torch.set_num_threads(2)  # the conftest pins 1; the race needs two
+    try:
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(49152, 576, generator=gen, requires_grad=True)
+        targets = torch.randint(3, 60, (1000,), generator=gen)  # repeated, as digits and EOS are
+        grad = torch.randn(1000, 576, generator=gen)
+        digests = set()
+        with train._reproducible_accumulation():
+            for _ in range(10):
+                weight.grad = None
+                weight[targets].backward(grad)
+                digests.add(hash(weight.grad.numpy().tobytes()))
+    finally:
+        torch.set_num_threads(1)
+    assert len(digests) == 1
