@@ -79,6 +79,7 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
 
     from dataplane import paths
     from dataplane.errors import IntegrityError, retry_transient
+    from dataplane.urls import redact
     from rl import checkpoint
     from tasks import tracking
 
@@ -86,7 +87,7 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
     where = paths.checkpoints_dir(cfg.dataplane.root, run_id)
     found = [(s, u) for s, u in checkpoint.list_complete(where, so) if checkpoint.has_trainer_state(u, so)]
     if not found:
-        msg = f"checkpointing.resume_run_id={run_id!r}: no complete checkpoint under {where}; check the run id and dataplane.root"
+        msg = f"checkpointing.resume_run_id={run_id!r}: no complete checkpoint under {redact(where)}; check the run id and dataplane.root"
         raise ValueError(msg)
     bad = []
     for step, url in reversed(found):  # newest first
@@ -94,11 +95,11 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
             checkpoint.verify(url, so)
             break
         except IntegrityError as err:
-            bad.append(f"{url}: {err}")
-            print(f"[grpoflow] warning: not resuming from checkpoint {url} (step {step}): {err}", file=sys.stderr, flush=True)
+            bad.append(f"{redact(url)}: {err}")
+            print(f"[grpoflow] warning: not resuming from checkpoint {redact(url)} (step {step}): {err}", file=sys.stderr, flush=True)
     else:
         msg = (
-            f"checkpointing.resume_run_id={run_id!r}: none of the {len(found)} complete checkpoints under {where} "
+            f"checkpointing.resume_run_id={run_id!r}: none of the {len(found)} complete checkpoints under {redact(where)} "
             f"verifies: {'; '.join(bad)}"
         )
         raise ValueError(msg)
@@ -107,7 +108,7 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
     state = json.loads(retry_transient(lambda: fs.cat_file(state_path), what=f"checkpoint {url}: read its trainer state"))
     tracking.client(cfg.tracking.uri).update_run(state["mlflow_run_id"], status="RUNNING")
     older = f", skipping {len(bad)} newer checkpoint(s) that fail verification" if bad else ""
-    print(f"[grpoflow] resuming run {run_id} from step {step} ({url}){older} | MLflow run {state['mlflow_run_id']}", flush=True)
+    print(f"[grpoflow] resuming run {run_id} from step {step} ({redact(url)}){older} | MLflow run {state['mlflow_run_id']}", flush=True)
     return RunInfo(
         run_id=run_id,
         mlflow_run_id=state["mlflow_run_id"],

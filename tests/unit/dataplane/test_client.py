@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dataplane import fields as F
-from dataplane.client import DataPlane, DataPlaneError
+from dataplane.client import DataPlane, DataPlaneError, DataPlaneWarning
 from dataplane.codec import nested_from_values
 
 SCHEMA = {
@@ -216,10 +216,14 @@ def test_a_malformed_or_stray_commit_record_is_skipped_by_name(dp):
     (prev,) = [p for p in _commit_path(dp) if F.PREV_LOGPROBS in dp.fs.cat_file(p).decode()]
     dp.fs.pipe_file(prev, b'{"write_id": "abc", "file": "da')  # torn by hand
     dp.fs.pipe_file(f"{dp._part('step_000001')}/_commits/notes.json", b'{"hello": 1}')  # stray
-    with pytest.warns(UserWarning, match=r"skipped commit record .*notes\.json.*missing or mistyped keys"):
+    with pytest.warns(DataPlaneWarning) as caught:
         out = dp.read(meta, [F.INPUT_IDS, F.REWARDS])  # the rest of the partition reads as before
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2
+    assert any(prev.rsplit("/", 1)[-1] in m and "not JSON" in m for m in messages)  # each record named, with why
+    assert any("notes.json" in m and "missing or mistyped keys" in m for m in messages)
     assert out[F.REWARDS].tolist() == pytest.approx([0.0, 0.1])
-    with pytest.warns(UserWarning), pytest.raises(DataPlaneError, match=r"never written.*skipped malformed commit records"):
+    with pytest.warns(DataPlaneWarning), pytest.raises(DataPlaneError, match=r"never written.*skipped malformed commit records"):
         dp.read(meta, [F.PREV_LOGPROBS])
 
 
