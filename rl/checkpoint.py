@@ -92,21 +92,11 @@ def restore_rng(tensors: dict[str, torch.Tensor], doc: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------ helpers
 def _fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str, bool]:
     """``(filesystem, path without trailing slash, whether it is the local filesystem)``."""
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    # no listings cache (as the data plane's client): another process may have saved or pruned since this one listed
+    fs, path = fsspec.core.url_to_fs(url, **{"use_listings_cache": False, **(storage_options or {})})
     path = path.rstrip("/")
-    _forget_listings(fs, path)
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return fs, path, "file" in protocols or "local" in protocols
-
-
-def _forget_listings(fs: Any, path: str) -> None:
-    """Drop the filesystem's cached listings of ``path``, its parents and everything below it: another process
-    may have saved or pruned since this one listed them."""
-    fs.invalidate_cache(path)
-    cache = getattr(fs, "dircache", None)
-    if cache:
-        for key in [k for k in list(cache) if k.startswith(path + "/")]:
-            cache.pop(key, None)
 
 
 def _digest(fileobj: Any) -> str:
@@ -235,7 +225,6 @@ def _rm(fs: Any, path: str, what: str, *, recursive: bool = False) -> None:
     """Remove ``path`` (retried; already absent is fine, so a retry after a partial removal succeeds)."""
 
     def rm() -> None:
-        _forget_listings(fs, path)
         try:
             fs.rm(path, recursive=recursive)
         except FileNotFoundError:
