@@ -497,8 +497,16 @@ class DataPlane:
         if self._local:  # memory-mapped: hashed and decoded from the page cache, no copy into a bytes object
             blobs = {loc: _map_file(loc) for loc in locations}
         else:
+
+            def fetch() -> dict[str, Any]:
+                got = self.fs.cat(locations, start=0, on_error="return")  # errors come back per file, not raised
+                for value in got.values():
+                    if isinstance(value, BaseException) and not isinstance(value, FileNotFoundError):
+                        raise value  # so that a refused or dropped connection is retried like any other
+                return got
+
             try:  # one batch of whole-object GETs (start=0: no HEAD before each): the checksum covers the whole file
-                blobs = self._io(f"read {len(locations)} data files of {part}", lambda: self.fs.cat(locations, start=0, on_error="return"))
+                blobs = self._io(f"read {len(locations)} data files of {part}", fetch)
             except FileNotFoundError:
                 blobs = {}
         tables = {}

@@ -962,3 +962,37 @@ def test_tcp_proxy_refuses_and_resets_while_down():
         stop.set()
         server_thread.join()
         server.close()
+
+
+def test_a_read_retries_a_connection_refused_mid_batch(s3_server, s3_proxy, monkeypatch):
+    """A data-plane read on S3 fetches its files with ``fs.cat(..., on_error="return")``, which hands back each
+    file's error instead of raising it; a refused connection there is retried like any other transient error
+    (it used to escape the retry and fail the task: seen when the 30 s outage of ``test_outage.py`` began during
+    a read)."""
+    import threading
+
+    import dataplane.errors
+
+    fast = {"endpoint_url": s3_proxy.url, "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"total_max_attempts": 1}}}
+    dp = DataPlane(f"s3://grpoflow/mid-batch-{random.randrange(1 << 30)}", RUN, storage_options=fast)
+    dp.fs.retries = 1
+    dp.register_partition(PART, fields=BASE)
+    meta = dp.put(PART, base_columns(), group_size=GROUP)
+    expected = base_columns()["b_val"]
+    waits: list[float] = []
+    pause = time.sleep
+    monkeypatch.setattr(dataplane.errors.time, "sleep", lambda s: (waits.append(s), pause(0.05)))
+    real, calls = dp.fs.cat, []
+
+    def cat_in_an_outage(*args: Any, **kwargs: Any) -> Any:  # the endpoint goes down for 1 s as the batch starts
+        if kwargs.get("on_error") == "return" and not calls:  # the batch of data files (records are read raising)
+            s3_proxy.down()
+            threading.Timer(1.0, s3_proxy.up).start()
+        if kwargs.get("on_error") == "return":
+            calls.append(kwargs.get("on_error"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dp.fs, "cat", cat_in_an_outage)
+    got = dp.read(meta, ["b_val"], layout="jagged")["b_val"]
+    assert len(calls) > 1 and waits, "the read did not meet the outage in its batch fetch"
+    assert torch.equal(got.values(), expected.values())
