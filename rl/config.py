@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,6 +310,10 @@ class DataPlaneConfig(Section):
     """fsspec options, JSON values kept with their types (e.g. ``{"endpoint_url": ..., "anon": false,
     "client_kwargs": {"region_name": ...}}``); put credentials in the environment, not here: the config travels
     in Flyte's task inputs, where anyone who can see the execution can read it."""
+    keep_rollouts: bool = False
+    """Keep every step's rollouts (prompt and completion text, rewards, advantages, logprobs) as one plain Parquet
+    file per step under ``{root}/{run_id}/rollouts/``, readable with pandas or DuckDB, instead of only clearing the
+    step's partition after training."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -322,7 +327,9 @@ class DataPlaneConfig(Section):
 @dataclass
 class CheckpointingConfig(Section):
     checkpoint_period: int = 2
-    """Save a full checkpoint (weights, optimizer, RNG, data position) every this many steps and at the end."""
+    """Save a full checkpoint (weights, optimizer, RNG, data position) every this many steps and at the end. Steps in
+    between save the weights only; on a cluster (each task a fresh pod) they save the optimizer state with them, which
+    is how it reaches the next step's train task."""
     keep_last_k: int = 2
     """Full checkpoints kept; older ones are deleted."""
     resume_run_id: str | None = None
@@ -342,7 +349,10 @@ class TrackingConfig(Section):
     experiment_name: str = "grpoflow"
     """MLflow experiment of the run."""
     run_name: str | None = None
-    """MLflow run name; None lets MLflow pick one."""
+    """MLflow run name; None names the run after the Flyte execution (a local run: MLflow picks one)."""
+    registered_model_name: str | None = None
+    """Register the final model (logged as an MLflow transformers model) under this name in MLflow's model
+    registry; None logs it without registering."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -354,18 +364,106 @@ class TrackingConfig(Section):
             _fail("tracking.experiment_name", "is empty", "name the MLflow experiment, e.g. 'grpoflow'")
 
 
+_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+"""A Kubernetes resource quantity: ``2``, ``500m``, ``16Gi``, ``1.5``."""
+_IMAGE_NAMES = ("default", "cpu", "rollout-gpu", "train-gpu")
+
+
+@dataclass
+class TaskResources(Section):
+    """Where a class of tasks runs on a cluster: its container image and its Kubernetes resources. Read only by
+    remote executions (a local run shares this machine). See ``workflows/placement.py``."""
+
+    image: str = "default"
+    """``default`` (the class's own ImageSpec in ``images/``), ``cpu``, ``rollout-gpu``, ``train-gpu`` (those
+    ImageSpecs), or a full image reference such as ``ghcr.io/acme/grpoflow-train:v3``."""
+    gpu: int = 0
+    """GPUs per task (``nvidia.com/gpu``); 0 runs on CPU."""
+    accelerator: str | None = None
+    """GPU type the pod is scheduled on (Flyte's accelerator name: ``nvidia-h100``, ``nvidia-tesla-a100``,
+    ``nvidia-l4``, ...); None: any GPU. Needs ``gpu`` >= 1."""
+    cpu: str = "2"
+    """CPU request and limit, a Kubernetes quantity (``2``, ``500m``)."""
+    memory: str = "8Gi"
+    """Memory request and limit, a Kubernetes quantity (``8Gi``, ``64Gi``)."""
+    shared_memory: str | None = None
+    """Size of ``/dev/shm`` (a Kubernetes quantity such as ``16Gi``; NCCL and vLLM need more than the default 64 MiB
+    on GPUs); None keeps the container runtime's default."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        where = _sections().get(type(self), "resources")
+        if not (self.image in _IMAGE_NAMES or ("/" in self.image or ":" in self.image) and " " not in self.image):
+            _fail(f"{where}.image", f"{self.image!r} is neither an image name nor an image reference", f"use one of {list(_IMAGE_NAMES)} or a reference such as 'ghcr.io/acme/grpoflow:v1'")
+        if self.gpu < 0:
+            _fail(f"{where}.gpu", f"is {self.gpu}", "use 0 (CPU) or the number of GPUs per task")
+        if self.accelerator is not None and self.gpu == 0:
+            _fail(f"{where}.accelerator", f"{self.accelerator!r} is set but gpu is 0", "set gpu >= 1 or accelerator: null")
+        if self.accelerator is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", self.accelerator):
+            _fail(f"{where}.accelerator", f"{self.accelerator!r} is not an accelerator name", "use e.g. 'nvidia-h100' or 'nvidia-tesla-a100'")
+        for key in ("cpu", "memory", "shared_memory"):
+            value = getattr(self, key)
+            if value is not None and (not _QUANTITY.fullmatch(value) or float(re.match(r"[\d.]+", value).group()) <= 0):
+                _fail(f"{where}.{key}", f"{value!r} is not a positive Kubernetes quantity", "use e.g. '2', '500m', '16Gi'")
+
+
+@dataclass
+class RolloutResources(TaskResources):
+    """``rollout`` and ``validate`` (and ``evaluate``): generation, on the rollout image."""
+
+
+@dataclass
+class TrainResources(TaskResources):
+    """``policy_logprobs``, ``reference_logprobs`` and ``train``: forward and backward passes, on the train image."""
+
+    memory: str = "16Gi"
+    """Memory request and limit, a Kubernetes quantity (``16Gi``, ``256Gi``)."""
+
+
+@dataclass
+class CPUResources(TaskResources):
+    """``start_run``, ``advantages``, ``finish_run`` and the step loop: bookkeeping, on the CPU image."""
+
+    memory: str = "4Gi"
+    """Memory request and limit, a Kubernetes quantity (``4Gi``)."""
+
+
+@dataclass
+class ResourcesConfig(Section):
+    """Images and resources of each class of tasks on a cluster (ignored by local runs)."""
+
+    rollout: RolloutResources = field(default_factory=RolloutResources)
+    """Generation tasks: ``rollout``, ``validate``, ``evaluate``."""
+    train: TrainResources = field(default_factory=TrainResources)
+    """Model tasks: ``policy_logprobs``, ``reference_logprobs``, ``train``."""
+    cpu: CPUResources = field(default_factory=CPUResources)
+    """Bookkeeping tasks: ``advantages``, ``finish_run``, the step loop."""
+
+
 @dataclass
 class GRPOConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train and the precision of its forward passes."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The reasoning-gym problems: dataset, seeds, validation split, system prompt."""
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    """The GRPO loop: prompts and completions per step, steps, validation, advantages."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Rollout generation: back-end, sampling, lengths."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The policy's back-end (logprobs and training)."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """The clipped policy-gradient loss and its KL penalty."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, warmup, gradient clipping and batch sizes."""
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    """Where rollouts and checkpoints are stored (a folder or an object-store URL)."""
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """How often full checkpoints are saved and kept; resuming a run."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow: tracking URI, experiment, run name, model registry."""
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    """Images and resources of each class of tasks on a cluster (ignored by local runs)."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -395,13 +493,25 @@ class GRPOConfig(Section):
 
     @classmethod
     def from_json(cls, text: str) -> GRPOConfig:
-        """Strict parse of a (partial) JSON config. ``pyflyte run workflows/grpo.py grpo --cfg '<json>'`` uses this
-        (flytekit's ``JsonParamType`` calls ``from_json`` on a dataclass that has one), a YAML file given there too.
+        """Strict parse of a (partial) JSON config. ``pyflyte run workflows/grpo.py grpo --cfg ...`` calls it: flytekit's
+        ``JsonParamType`` reads ``--cfg`` (inline JSON, or a .yaml/.json file's contents) and hands it here as JSON.
 
         Raises:
-            ValueError: invalid JSON, or what `config_from_dict` raises for.
+            ValueError: invalid JSON, or what `config_from_dict` raises for. It is also a ``click.BadParameter``, so
+                that ``pyflyte run`` prints it as one paragraph (``Invalid value for '--cfg': config
+                grpo.max_num_steps: ...``) instead of a traceback.
         """
-        return config_from_dict(json.loads(text))
+        from rl.config_check import usage_error
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            msg = f"config: not valid JSON ({err}); write a JSON object such as '{{\"grpo\": {{\"max_num_steps\": 2}}}}'"
+            raise usage_error(msg) from None
+        try:
+            return config_from_dict(data)
+        except ValueError as err:
+            raise usage_error(str(err)) from None
 
     def flat_params(self) -> dict[str, str]:
         """Flattened ``section.key -> str(value)`` for MLflow params: storage options left out, and credentials
@@ -451,26 +561,107 @@ def config_from_dict(data: dict[str, Any]) -> GRPOConfig:
     return build(GRPOConfig, data, "")
 
 
-def load_config(source: str) -> GRPOConfig:
-    """Config from a ``.yaml``/``.yml``/``.json`` file path or an inline JSON string.
+def load_config(source: str, *, storage_options: dict[str, Any] | None = None) -> GRPOConfig:
+    """Config from inline JSON or from a YAML or JSON file, local or at any fsspec URL.
 
     Args:
-        source: a path, or inline JSON such as ``'{"grpo": {"max_num_steps": 2}}'``.
+        source: inline JSON (it starts with ``{``: ``'{"grpo": {"max_num_steps": 2}}'``), or a ``.yaml``, ``.yml`` or
+            ``.json`` file: a local path (``configs/quick.yaml``, ``~/x.yaml``) or a URL (``s3://bucket/x.yaml``,
+            ``gs://...``, ``file:///abs/x.json``, ``https://host/x.yaml``). An empty YAML file is all defaults.
+        storage_options: fsspec options of the file's filesystem; None takes them from the environment
+            (`env_storage_options`: flytekit's ``FLYTE_AWS_*`` for ``s3://``), and the filesystem adds its own
+            (AWS_* variables, ~/.aws, an IAM role; fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>`` variables).
 
     Raises:
-        ValueError: ``source`` is neither an existing file nor JSON, or what `config_from_dict` raises for.
+        ValueError: the file does not exist, is a folder, cannot be read (its filesystem's error, e.g. access
+            denied), is not named .yaml/.yml/.json, is not valid YAML or JSON, or holds no mapping of sections; or
+            what `config_from_dict` raises for. Each message names the file (credentials in its URL redacted).
     """
-    path = Path(source)
-    if path.suffix in (".yaml", ".yml", ".json") and path.exists():
-        text = path.read_text()
-        if path.suffix == ".json":
-            return config_from_dict(json.loads(text))
-        import yaml
+    if source.lstrip().startswith("{"):
+        try:
+            data = json.loads(source)
+        except json.JSONDecodeError as err:
+            _fail("(inline JSON)", f"is not valid JSON ({err})", "check its quotes and brackets, or give a .yaml/.json file")
+        return config_from_dict(data)
+    return config_from_dict(_read_config_file(source, storage_options))
 
-        return config_from_dict(yaml.safe_load(text) or {})
+
+# ---------------------------------------------------------------- config files, descriptions
+
+
+def env_storage_options(protocol: str) -> dict[str, Any]:
+    """fsspec options of a ``protocol`` filesystem from the environment variables flytekit reads (a Flyte pod has
+    them; ``flytectl demo start``'s sandbox sets them to its MinIO): for ``s3``, ``FLYTE_AWS_ENDPOINT`` ->
+    ``endpoint_url``, ``FLYTE_AWS_ACCESS_KEY_ID`` and ``FLYTE_AWS_SECRET_ACCESS_KEY`` -> ``key`` and ``secret``.
+    Empty for other protocols, and for unset variables: the filesystem's own defaults apply."""
+    import os
+
+    if protocol not in ("s3", "s3a"):
+        return {}
+    names = {"endpoint_url": "FLYTE_AWS_ENDPOINT", "key": "FLYTE_AWS_ACCESS_KEY_ID", "secret": "FLYTE_AWS_SECRET_ACCESS_KEY"}
+    return {option: os.environ[name] for option, name in names.items() if os.environ.get(name)}
+
+
+def _read_config_file(source: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The mapping held by the YAML/JSON file at ``source`` (a path or an fsspec URL); see `load_config`."""
+    from urllib.parse import urlsplit
+
+    import fsspec
+    import yaml
+
+    where = f"file {redact(source)!r}"
+    suffix = Path(urlsplit(source).path if "://" in source else source).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        _fail(where, "is not a .yaml, .yml or .json file", "give a YAML or JSON config file, or inline JSON starting with '{'")
     try:
-        data = json.loads(source)
+        protocol = fsspec.utils.get_protocol(source)
+        options = env_storage_options(protocol) if storage_options is None else storage_options
+        fs, path = fsspec.core.url_to_fs(source, **options)
+        with fs.open(path, "rb") as f:
+            raw = f.read()
+    except IsADirectoryError:
+        _fail(where, "is a folder", "name the config file inside it")
+    except Exception as err:  # any filesystem's own error: botocore's NoCredentialsError is no OSError
+        msg, cause = _unreadable(where, source, err)
+        raise ValueError(msg) from cause
+    try:
+        text = raw.decode("utf-8")
+        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
+    except UnicodeDecodeError:
+        _fail(where, "is not a text file", "give a YAML or JSON config file")
     except json.JSONDecodeError as err:
-        msg = f"--cfg {source!r} is neither an existing .yaml/.json file nor inline JSON ({err})"
-        raise ValueError(msg) from None
-    return config_from_dict(data)
+        _fail(where, f"is not valid JSON ({err})", "check its quotes, commas and brackets")
+    except yaml.YAMLError as err:
+        detail = " ".join(str(err).split())
+        _fail(where, f"is not valid YAML ({detail})", "check its indentation and quotes")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        _fail(where, f"holds {describe(data)}, not a mapping of sections", "write sections such as 'grpo: {max_num_steps: 2}'")
+    return data
+
+
+def _unreadable(where: str, source: str, err: Exception) -> tuple[str, BaseException | None]:
+    """The message of a config file that could not be read, and the error to chain it to: the one that says why,
+    so that `dataplane.errors.is_transient` still tells a dropped connection (retry) from a missing file (fail)."""
+    from dataplane.errors import is_transient
+
+    cause = err.__cause__
+    if isinstance(err, FileNotFoundError) and not (cause is not None and is_transient(cause)):
+        local = "" if "://" in source else f" (looked for {Path(source).expanduser().resolve()})"
+        return f"config {where}: does not exist{local}; check the path (a relative path starts at the current folder) or the URL", None
+    if isinstance(err, FileNotFoundError) and cause is not None:  # fsspec's HTTP filesystem: a refused connection
+        err = cause  # type: ignore[assignment]
+    fix = "check the URL, its credentials (the environment's) and that the filesystem's package is installed"
+    return f"config {where}: cannot be read ({type(err).__name__}: {redact(str(err))}); {fix}", err
+
+
+def _document_sections() -> None:
+    """Every config dataclass's field descriptions, from their attribute docstrings (`document_fields`)."""
+    from rl.config_check import document_fields
+
+    for cls in _sections():
+        document_fields(cls)
+
+
+_document_sections()

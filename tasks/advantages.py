@@ -8,11 +8,12 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.types import RunInfo
 
 
-@task(retries=2)
+@task(retries=2, **declared("cpu"))
 @transient_errors_retried
 def advantages(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
     """Compute per-sample advantages and write them per token (the sample's A on every token)."""
@@ -23,8 +24,10 @@ def advantages(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
     from rl.advantages import compute_advantages
     from tasks import runtime
 
+    since = runtime.begin_task()
     started = time.time()
     dp = runtime.dataplane(cfg, run)
+    ready = runtime.startup_metric("advantages", since)
     cols = dp.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS])
     adv, baseline, std = compute_advantages(
         cols[F.REWARDS],
@@ -47,5 +50,6 @@ def advantages(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
         "baseline_reward/pct_1": float((grouped.min(1).values == 1).float().mean()),
         "baseline_reward/pct_mixed": float((spread > 0).float().mean()),
         "timing/train/advantage_calculation": time.time() - started,
+        **ready,
     }
     return out.stamp_tags({"baseline": baseline.tolist(), "std": std.tolist()}).with_extra_info(**info)

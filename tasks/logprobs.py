@@ -8,11 +8,12 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
-@task(retries=2)
+@task(retries=2, **declared("train"))
 @transient_errors_retried
 def policy_logprobs(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta) -> KVBatchMeta:
     """Write ``prev_logprobs``: log pi_old of every token under the policy that generated the step.
@@ -23,21 +24,28 @@ def policy_logprobs(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: 
     """
     from tasks import runtime
 
-    if cfg.on_policy:
+    since = runtime.begin_task()
+    if cfg.on_policy:  # the step loop does not even create this node then (see workflows/grpo.py)
         return meta.with_extra_info(**{"timing/train/prev_lp": 0.0, "prev_logprobs_from_train": 1.0})
     started = time.time()
     runtime.set_threads()
-    out = runtime.policy(cfg, run, policy).get_logprobs_from_meta(meta, runtime.dataplane(cfg, run))
-    return out.with_extra_info(**{"timing/train/prev_lp": time.time() - started})
+    backend = runtime.policy(cfg, run, policy)
+    ready = runtime.startup_metric("policy_logprobs", since)
+    out = backend.get_logprobs_from_meta(meta, runtime.dataplane(cfg, run))
+    return out.with_extra_info(**{"timing/train/prev_lp": time.time() - started, **ready})
 
 
-@task(retries=2)
+@task(retries=2, **declared("train"))
 @transient_errors_retried
 def reference_logprobs(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
     """Write ``reference_policy_logprobs``: log pi_ref of every token under the base model."""
     from tasks import runtime
 
+    since = runtime.begin_task()
     started = time.time()
     runtime.set_threads()
-    out = runtime.policy(cfg, run).get_reference_policy_logprobs_from_meta(meta, runtime.dataplane(cfg, run))
-    return out.with_extra_info(**{"timing/train/ref_lp": time.time() - started})
+    backend = runtime.policy(cfg, run)
+    backend.load_reference_policy()
+    ready = runtime.startup_metric("reference_logprobs", since)
+    out = backend.get_reference_policy_logprobs_from_meta(meta, runtime.dataplane(cfg, run))
+    return out.with_extra_info(**{"timing/train/ref_lp": time.time() - started, **ready})

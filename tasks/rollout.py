@@ -8,11 +8,12 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
-@task(retries=2)
+@task(retries=2, **declared("rollout"))
 @transient_errors_retried
 def rollout(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int) -> KVBatchMeta:
     """Write the step partition's bulk columns (``ROLLOUT_FIELDS``) for the B groups of ``step`` (after dynamic
@@ -21,10 +22,12 @@ def rollout(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int) -> 
     from rl.rollout import STEP_SCHEMA, sample_step, to_columns
     from tasks import runtime
 
+    since = runtime.begin_task()
     started = time.time()
     runtime.set_threads()
     g = cfg.grpo.num_generations_per_prompt
     generator = runtime.generation(cfg, run, policy)  # sampling is seeded per call, from the step number
+    ready = runtime.startup_metric("rollout", since)
     groups, sample_mask, metrics = sample_step(generator, runtime.tokenizer(run.model_path), cfg, step=step)
     columns = to_columns(groups, sample_mask, group_size=g, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
@@ -34,4 +37,5 @@ def rollout(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int) -> 
     info = {f"rollout/{k}": v for k, v in metrics.items()}
     info["step_started_unix"] = started
     info["timing/train/generation"] = time.time() - started
+    info.update(ready)
     return meta.with_extra_info(**info).stamp_pad_seqlen()

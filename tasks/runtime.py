@@ -6,6 +6,7 @@ cluster every task starts cold and loads what it needs from storage.
 from __future__ import annotations
 
 import os
+import time
 from functools import lru_cache
 from typing import Any
 
@@ -15,6 +16,28 @@ from tasks.types import PolicyVersion, RunInfo
 
 _BACKENDS: dict[tuple[str, str], Any] = {}
 """(run_id, role) -> back-end object; roles ``generation`` and ``policy``."""
+
+_TASKS_STARTED = 0
+"""Tasks begun in this process (:func:`begin_task`)."""
+
+
+def begin_task() -> float:
+    """Mark the start of a task; returns the moment its startup counts from (unix seconds): the process's start
+    for the first task of a process (a pod: interpreter, imports, flytekit's input download included), else now
+    (a warm process: only what the task itself loads)."""
+    global _TASKS_STARTED
+    _TASKS_STARTED += 1
+    if _TASKS_STARTED == 1:
+        import psutil
+
+        return psutil.Process().create_time()
+    return time.time()
+
+
+def startup_metric(task: str, since: float) -> dict[str, float]:
+    """``{"timing/<task>/startup": seconds}`` from ``since`` (:func:`begin_task`) to now, the task's first useful
+    work: call it once imports, model and state loads are done."""
+    return {f"timing/{task}/startup": time.time() - since}
 
 
 def set_threads() -> None:

@@ -13,7 +13,8 @@ def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
 
 def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, started_from: PolicyVersion) -> PolicyVersion:
     """Save the weights of ``backend.weight_version``: with trainer state under ``checkpoints/`` when due (keeping the
-    newest ``keep_last_k``), otherwise weights only under ``weights/`` (keeping the newest one). The policy the
+    newest ``keep_last_k``), otherwise under ``weights/`` (keeping the newest one), with the trainer state too when
+    tasks run cold (``run.cold_tasks``: the next step's train task is another process and finds it there). The policy the
     step ``started_from`` is kept too, so that a retry of this step finds its input; the next step prunes it."""
     from dataplane import paths
     from rl import checkpoint
@@ -21,15 +22,15 @@ def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, starte
     root, so = cfg.dataplane.root, cfg.dataplane.storage_options
     step = backend.weight_version
     assert step is not None
+    state = checkpoint.TrainerState(step=step, mlflow_run_id=run.mlflow_run_id, extra={"data_position": step})
     if checkpoint_due(cfg, step):
         url = paths.checkpoint_dir(root, run.run_id, step)
-        state = checkpoint.TrainerState(step=step, mlflow_run_id=run.mlflow_run_id, extra={"data_position": step})
         backend.save_checkpoint(url, trainer_state=state)
         checkpoint.prune(paths.checkpoints_dir(root, run.run_id), cfg.checkpointing.keep_last_k, so, keep=started_from.path)
         checkpoint.prune(paths.weights_dir(root, run.run_id), 0, so, keep=started_from.path)
-    else:
+    else:  # weights only; in a cold process also the trainer state: how it reaches the next step's train task
         url = paths.weights_step_dir(root, run.run_id, step)
-        backend.save_checkpoint(url)
+        backend.save_checkpoint(url, trainer_state=state if run.cold_tasks else None)
         checkpoint.prune(paths.weights_dir(root, run.run_id), 1, so, keep=started_from.path)
     return PolicyVersion(step=step, path=url)
 

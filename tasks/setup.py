@@ -8,11 +8,12 @@ import uuid
 from flytekit import current_context, task
 
 from rl.config import GRPOConfig
+from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.types import RunInfo
 
 
-@task(retries=2)
+@task(retries=2, **declared("cpu"))
 @transient_errors_retried
 def start_run(cfg: GRPOConfig) -> RunInfo:
     """Resolve (and convert once) the model, validate the dataset, create the MLflow run with the
@@ -20,8 +21,9 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     from rl.backends.registry import check_installed
     from rl.data import train_problems, val_problems
     from rl.model import resolve_model
-    from tasks import tracking
+    from tasks import runtime, tracking
 
+    since = runtime.begin_task()
     execution = current_context().execution_id
     local = execution.name == "local"  # every local execution has this id; a remote one is unique
     if local:  # every task runs here: a back-end that cannot be imported fails now, not at step 1 (remote tasks
@@ -34,7 +36,7 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     if cfg.grpo.val_period or cfg.grpo.val_at_start:
         val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
     if cfg.checkpointing.resume_run_id:
-        return _resume(cfg, cfg.checkpointing.resume_run_id, model_path)
+        return _resume(cfg, cfg.checkpointing.resume_run_id, model_path, cold_tasks=not local)
     # a retried start_run of a remote execution finds the MLflow run and run id of its first attempt
     run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}" if local else f"run-{execution.name}"
     tags = {
@@ -47,14 +49,17 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     params = cfg.flat_params()
     params["model.resolved_path"] = model_path
     mlflow_run_id = tracking.start_run(
-        uri=cfg.tracking.uri, experiment_name=cfg.tracking.experiment_name, run_name=cfg.tracking.run_name, params=params, tags=tags,
-        reuse_tag=None if local else "flyte.execution_id",
+        uri=cfg.tracking.uri, experiment_name=cfg.tracking.experiment_name, run_name=cfg.tracking.run_name or (None if local else execution.name),
+        params=params, tags=tags, reuse_tag=None if local else "flyte.execution_id",
     )
+    tracking.log_metrics(cfg.tracking.uri, mlflow_run_id, runtime.startup_metric("start_run", since), 0)
     print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {model_path}", flush=True)
-    return RunInfo(run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path)
+    return RunInfo(
+        run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path, cold_tasks=not local
+    )
 
 
-def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
+def _resume(cfg: GRPOConfig, run_id: str, model_path: str, *, cold_tasks: bool = False) -> RunInfo:
     """Pick up ``run_id`` at its newest complete checkpoint with trainer state whose files verify against its
     manifest (:func:`rl.checkpoint.verify`; remote files are hashed as they stream).
 
@@ -65,6 +70,7 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
         cfg: the run's config (``dataplane.root``, ``dataplane.storage_options``, ``tracking.uri``).
         run_id: the run to resume.
         model_path: the resolved base model folder.
+        cold_tasks: every task runs in a fresh process (:attr:`RunInfo.cold_tasks`).
 
     Returns:
         the run's handle, starting after the chosen checkpoint's step, its MLflow run marked running again.
@@ -72,13 +78,10 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
     Raises:
         ValueError: the run has no complete checkpoint with trainer state, or none of them verifies.
     """
-    import json
     import sys
 
-    import fsspec
-
     from dataplane import paths
-    from dataplane.errors import IntegrityError, retry_transient
+    from dataplane.errors import IntegrityError
     from dataplane.urls import redact
     from rl import checkpoint
     from tasks import tracking
@@ -103,9 +106,7 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
             f"verifies: {'; '.join(bad)}"
         )
         raise ValueError(msg)
-    fs, path = fsspec.core.url_to_fs(url, **so)
-    state_path = f"{path.rstrip('/')}/{checkpoint.TRAINER_STATE}/state.json"
-    state = json.loads(retry_transient(lambda: fs.cat_file(state_path), what=f"checkpoint {url}: read its trainer state"))
+    state = checkpoint.trainer_state_doc(url, so)
     tracking.client(cfg.tracking.uri).update_run(state["mlflow_run_id"], status="RUNNING")
     older = f", skipping {len(bad)} newer checkpoint(s) that fail verification" if bad else ""
     print(f"[grpoflow] resuming run {run_id} from step {step} ({redact(url)}){older} | MLflow run {state['mlflow_run_id']}", flush=True)
@@ -115,6 +116,7 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str) -> RunInfo:
         model_path=model_path,
         start_step=step,
         start_policy_path=url,
+        cold_tasks=cold_tasks,
     )
 
 

@@ -7,6 +7,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""MLflow's experiment tag naming the kind of an experiment (``genai_development`` or ``custom_model_development``).
+MLflow 3.x UIs before the sidebar's GenAI / Machine-learning switch choose the experiment's default page from it (the
+runs table for ``custom_model_development``); without it they guess the kind, or ask. MLflow 3.17's UI takes the kind
+from that switch instead (see :func:`runs_table_url`)."""
+EXPERIMENT_KIND = "custom_model_development"
+"""The kind of a grpoflow experiment: model training (runs, metrics, checkpoints), not a GenAI app (traces)."""
+
 
 def _ensure_local_store(uri: str) -> None:
     if uri.startswith("sqlite:///"):
@@ -25,6 +33,9 @@ def start_run(
 ) -> str:
     """Create the run (and the experiment if needed); return its id.
 
+    The experiment carries ``EXPERIMENT_KIND_TAG = EXPERIMENT_KIND`` (set when it is created, and added to an
+    existing experiment that lacks the tag; a kind already set, e.g. chosen in the UI, is left as it is).
+
     With ``reuse_tag``, a run of the experiment whose tag ``reuse_tag`` already has the value in ``tags`` (made
     by an earlier attempt of the same task, e.g. the same Flyte execution) is returned instead of a new one.
     """
@@ -34,9 +45,11 @@ def start_run(
         artifact_location = None
         if uri.startswith("sqlite:///"):
             artifact_location = (Path(uri.removeprefix("sqlite:///")).parent.resolve() / "mlartifacts").as_uri()
-        exp_id = c.create_experiment(experiment_name, artifact_location=artifact_location)
+        exp_id = c.create_experiment(experiment_name, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     else:
         exp_id = exp.experiment_id
+        if EXPERIMENT_KIND_TAG not in exp.tags:
+            c.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     found = []
     if reuse_tag is not None:
         value = tags[reuse_tag].replace("'", "")
@@ -78,6 +91,21 @@ def has_metric(uri: str, run_id: str, key: str, step: int) -> bool:
 
 def set_terminated(uri: str, run_id: str, status: str = "FINISHED") -> None:
     client(uri).set_terminated(run_id, status=status)
+
+
+def runs_table_url(ui_url: str, experiment_id: str) -> str:
+    """The MLflow UI address of the experiment's runs table, e.g.
+    ``http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning``.
+
+    MLflow 3.17's UI opens an experiment on the page of its sidebar's workflow switch (``workflowType``: the URL
+    query, else the last choice saved in the browser, else ``genai``, whose page is the GenAI overview), whatever
+    the experiment's tags say; the query makes this link open the runs table in the Machine-learning view.
+
+    Args:
+        ui_url: where the UI is served (``http://127.0.0.1:5000`` for ``mlflow ui``, or the tracking server's URL).
+        experiment_id: the experiment's id.
+    """
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
 def git_commit() -> str:

@@ -9,11 +9,12 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
-@task(retries=2)
+@task(retries=2, **declared("train"))
 @transient_errors_retried
 def train(
     cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, batch: KVBatchMeta, prev: KVBatchMeta, ref: KVBatchMeta
@@ -23,8 +24,9 @@ def train(
     from dataplane import fields as F
     from dataplane import paths
     from rl.seeding import seed_all, step_seed
-    from tasks import runtime, saving, tracking
+    from tasks import kept_rollouts, runtime, saving, tracking
 
+    since = runtime.begin_task()
     started = time.time()
     runtime.set_threads()
     step = policy.step + 1
@@ -39,6 +41,7 @@ def train(
     meta = batch.join(prev, ref)
     wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
     backend = runtime.policy(cfg, run, policy, training=True)
+    ready = runtime.startup_metric("train", since)
     seed_all(step_seed(cfg.grpo.seed, step, "train"))  # the checkpoint's RNG state is a function of the step
     try:
         metrics, data = backend.train_from_meta(meta, dp, fields=wanted)
@@ -55,11 +58,13 @@ def train(
     out.update({f"train/{k.removeprefix('rollout/')}": v for k, v in info.items() if k.startswith("rollout/")})
     out.update({f"train/{k}": v for k, v in info.items() if k.startswith(("advantages/", "baseline_reward/"))})
     out.update({k: v for k, v in info.items() if k.startswith("timing/")})
+    out.update(ready)
     out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get("timing/train/ref_lp", 0.0)
     out["train/total_num_tokens"] = float(data[F.INPUT_LENGTHS].sum())
     out["timing/train/policy_training"] = trained - started
     out["timing/train/checkpointing"] = done - trained
     out["timing/train/total_step_time"] = time.time() - info["step_started_unix"]
+    kept_rollouts.keep(cfg, run, dp, meta, step)  # before the metrics: a retry that finds them logged only clears
     tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, step)  # once, also when retried or resumed
     dp.clear(paths.step_partition(step))  # last: until here a retry finds the whole step
     print(

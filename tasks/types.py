@@ -21,6 +21,9 @@ class RunInfo:
     """Last completed step (0 for a new run; the checkpoint's step when resuming)."""
     start_policy_path: str = ""
     """Weights of ``start_step`` (the base model for a new run)."""
+    cold_tasks: bool = False
+    """Every task runs in a fresh process (a remote execution: one pod per task), so nothing but storage carries
+    the trainer from one step's train task to the next: each step's weights are saved with their optimizer state."""
 
 
 @dataclass
@@ -32,3 +35,17 @@ class RunSummary:
     last_checkpoint: str
     validation_accuracy: float
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """``RunSummary(run_id=..., final_step=4, validation_accuracy=0.562, mlflow_run_id=..., last_checkpoint=...)``:
+        the line ``pyflyte run`` prints at the end. The metrics are left out (they are in MLflow and ``.metrics``);
+        ``validation_accuracy=none``: the run never validated (the field holds -1.0)."""
+        from dataplane.urls import redact
+
+        accuracy = "none" if self.validation_accuracy < 0 else f"{self.validation_accuracy:.3f}"
+        return (
+            f"RunSummary(run_id={self.run_id!r}, final_step={self.final_step}, validation_accuracy={accuracy}, "
+            f"mlflow_run_id={self.mlflow_run_id!r}, last_checkpoint={redact(self.last_checkpoint)!r})"
+        )
+
+    __str__ = __repr__

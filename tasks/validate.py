@@ -1,4 +1,4 @@
-"""`validate`: greedy completions on held-out problems through a ``val`` partition; logs accuracy and samples."""
+"""`validate`: greedy completions on held-out problems through a ``validation`` partition; logs accuracy and samples."""
 
 from __future__ import annotations
 
@@ -7,19 +7,37 @@ import time
 from flytekit import task
 
 from rl.config import GRPOConfig
+from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
-@task(retries=2)
+@task(retries=2, **declared("rollout"))
 @transient_errors_retried
 def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     """Accuracy (share of reward 1) of the policy at ``policy.step`` on ``data.num_val_problems`` questions
     of the validation split; logs ``validation/accuracy``, ``validation/avg_length`` and a sample table."""
+    from tasks import runtime
+
+    since = runtime.begin_task()
+    return greedy_accuracy(cfg, run, policy, since=since, kind="validation", task="validate")
+
+
+def greedy_accuracy(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, *, since: float, kind: str, task: str) -> float:
+    """Greedy completions of ``policy`` on ``data.num_val_problems`` held-out questions, through the partition
+    ``{kind}_{step}`` of the run's data plane; logs ``{kind}/accuracy``, ``{kind}/avg_length`` (tokens per
+    completion), ``{kind}/reward`` and ``timing/{task}/startup`` at ``policy.step`` in the run's MLflow run, and the
+    completions as a table ``{kind}/step_{step}.json``.
+
+    Returns:
+        the share of questions answered correctly (reward 1), in [0, 1].
+
+    Raises:
+        whatever loading the policy, the data plane or MLflow raise.
+    """
     import torch
 
     from dataplane import fields as F
-    from dataplane import paths
     from rl.data import val_problems
     from rl.rollout import ROLLOUT_DTYPES, generate_groups, to_columns
     from tasks import runtime, tracking
@@ -29,26 +47,28 @@ def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     d = cfg.data
     problems = val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
     generator = runtime.generation(cfg, run, policy)
+    ready = runtime.startup_metric(task, since)
     t0 = time.perf_counter()
     groups = generate_groups(generator, runtime.tokenizer(run.model_path), problems, cfg, group_size=1, greedy=True, seed=cfg.grpo.seed)
     gen_s = time.perf_counter() - t0
     columns = to_columns(groups, torch.ones(len(problems), dtype=torch.bool), group_size=1, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
-    partition = paths.val_partition(policy.step)
-    dp.register_partition(partition, fields=ROLLOUT_DTYPES, consumers=["validation"])
-    meta = dp.put(partition, columns, group_size=1, task_name="validation", id_key="validation")
+    partition = f"{kind}_{policy.step:06d}"
+    dp.register_partition(partition, fields=ROLLOUT_DTYPES, consumers=[kind])
+    meta = dp.put(partition, columns, group_size=1, task_name=kind, id_key=kind)
     rows = dp.read(meta, [F.PROMPT_TEXT, F.RESPONSE_TEXT, F.ANSWER_TEXT, F.REWARDS, F.TOKEN_MASK], layout="jagged")
     dp.clear(partition)
     correct = (rows[F.REWARDS] >= 1.0).float()  # [N]
     lengths = rows[F.TOKEN_MASK].values().view(-1).float().sum() / len(problems)
     accuracy = float(correct.mean())
     out = {
-        "validation/accuracy": accuracy,
-        "validation/avg_length": float(lengths),
-        "validation/reward": float(rows[F.REWARDS].mean()),
-        "timing/validation/total_time": time.time() - started,
+        f"{kind}/accuracy": accuracy,
+        f"{kind}/avg_length": float(lengths),
+        f"{kind}/reward": float(rows[F.REWARDS].mean()),
+        f"timing/{kind}/total_time": time.time() - started,
+        **ready,
     }
-    tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, policy.step)
+    logged = tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, policy.step)  # once per step
     table = {
         "step": [policy.step] * len(problems),
         "prompt": rows[F.PROMPT_TEXT],
@@ -57,9 +77,10 @@ def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
         "reward": rows[F.REWARDS].tolist(),
         "correct": [bool(c) for c in correct],
     }
-    tracking.client(cfg.tracking.uri).log_table(run.mlflow_run_id, data=table, artifact_file=f"validation/step_{policy.step:06d}.json")
+    if logged:  # MLflow's log_table appends: a re-run (a retry, a repeated evaluation) must not add the rows again
+        tracking.client(cfg.tracking.uri).log_table(run.mlflow_run_id, data=table, artifact_file=f"{kind}/step_{policy.step:06d}.json")
     print(
-        f"[grpoflow] validation at step {policy.step} | accuracy {accuracy:.3f} on {len(problems)} held-out problems"
+        f"[grpoflow] {kind} at step {policy.step} | accuracy {accuracy:.3f} on {len(problems)} held-out problems"
         f" | avg length {float(lengths):.1f} | {gen_s:.1f} s",
         flush=True,
     )

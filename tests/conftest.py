@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -78,3 +82,28 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> str:
     from rl.model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_source=real_model_dir)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on loopback (sqlite backend, local artifacts); yields its URL."""
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    cmd = [
+        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "artifacts"),
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None, "mlflow server exited"
+            assert time.time() < deadline, "mlflow server did not start in 120 s"
+            time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)

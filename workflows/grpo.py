@@ -1,18 +1,25 @@
-"""GRPO as Flyte workflows: one step as a workflow of tasks, a `@dynamic` loop that unrolls the steps,
-and the `grpo` entry point. Control flow only: tensors stay in the data plane, tasks pass handles.
+"""GRPO as Flyte workflows: a `@dynamic` loop that unrolls the steps, each step a handful of task nodes placed on
+their images and resources from the config, and the `grpo` entry points. Control flow only: tensors stay in the
+data plane, tasks pass handles.
 
     pyflyte run workflows/grpo.py grpo [--cfg configs/x.yaml | --cfg '{"grpo": {"max_num_steps": 2}}']
+    pyflyte run workflows/grpo.py grpo_from_file --config_url s3://bucket/configs/x.yaml
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from flytekit import dynamic, workflow
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
 from tasks.advantages import advantages
+from tasks.config_file import load_config_file
 from tasks.finish import finish_run
 from tasks.logprobs import policy_logprobs, reference_logprobs
+from tasks.placement import declared, placed
 from tasks.rollout import rollout
 from tasks.setup import start_run
 from tasks.train import train
@@ -20,18 +27,25 @@ from tasks.types import PolicyVersion, RunInfo, RunSummary
 from tasks.validate import validate
 
 
-@workflow
 def grpo_step(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int) -> PolicyVersion:
     """One synchronous GRPO step: the policy after ``step - 1`` updates -> the policy after ``step``."""
+    node = _nodes(cfg, f"step-{step}")
     # 1 rollout: G completions per prompt, scored, first put of the step partition
-    batch: KVBatchMeta = rollout(cfg=cfg, run=run, policy=policy, step=step)
-    # 2 policy logprobs and 3 reference-policy logprobs: independent delta writes
-    prev = policy_logprobs(cfg=cfg, run=run, policy=policy, meta=batch)
-    ref = reference_logprobs(cfg=cfg, run=run, meta=batch)
+    batch: KVBatchMeta = node(rollout)(cfg=cfg, run=run, policy=policy, step=step)
+    # 2 policy logprobs (only off-policy: on-policy, pi_old is the training forward itself) and
+    # 3 reference-policy logprobs: independent delta writes
+    prev = batch if cfg.on_policy else node(policy_logprobs)(cfg=cfg, run=run, policy=policy, meta=batch)
+    ref = node(reference_logprobs)(cfg=cfg, run=run, meta=batch)
     # 4 advantages from the group rewards
-    adv = advantages(cfg=cfg, run=run, meta=batch)
+    adv = node(advantages)(cfg=cfg, run=run, meta=batch)
     # 5 update: clipped PG + KL, next weights, metrics, clear the partition
-    return train(cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
+    return node(train)(cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
+
+
+def _nodes(cfg: GRPOConfig, prefix: str) -> Callable[[Any], Callable[..., Any]]:
+    """``node(task)``: ``task`` placed on the image and resources of ``cfg.resources`` and named
+    ``{prefix}-{task}`` in the console (see ``tasks/placement.py``)."""
+    return lambda task: placed(cfg, task, node_name=f"{prefix}-{task.name.rsplit('.', 1)[-1].replace('_', '-')}")
 
 
 def _validation_due(cfg: GRPOConfig, step: int) -> bool:
@@ -39,22 +53,38 @@ def _validation_due(cfg: GRPOConfig, step: int) -> bool:
     return period > 0 and (step % period == 0 or step == cfg.grpo.max_num_steps)
 
 
-@dynamic
+@dynamic(**declared("cpu"))
 def training_loop(cfg: GRPOConfig, run: RunInfo) -> RunSummary:
-    """Unroll steps ``start_step+1 .. max_num_steps`` as sub-workflow nodes, validating every ``val_period``."""
+    """Unroll steps ``start_step+1 .. max_num_steps``, validating every ``val_period``."""
     policy = PolicyVersion(step=run.start_step, path=run.start_policy_path)
     accuracy = -1.0
     if cfg.grpo.val_at_start and run.start_step == 0:
-        accuracy = validate(cfg=cfg, run=run, policy=policy)
+        accuracy = _nodes(cfg, "step-0")(validate)(cfg=cfg, run=run, policy=policy)
     for step in range(run.start_step + 1, cfg.grpo.max_num_steps + 1):
-        policy = grpo_step(cfg=cfg, run=run, policy=policy, step=step)
+        policy = grpo_step(cfg, run, policy, step)
         if _validation_due(cfg, step):
-            accuracy = validate(cfg=cfg, run=run, policy=policy)
-    return finish_run(cfg=cfg, run=run, policy=policy, validation_accuracy=accuracy)
+            accuracy = _nodes(cfg, f"step-{step}")(validate)(cfg=cfg, run=run, policy=policy)
+    return _nodes(cfg, "end")(finish_run)(cfg=cfg, run=run, policy=policy, validation_accuracy=accuracy)
 
 
 @workflow
 def grpo(cfg: GRPOConfig = GRPOConfig()) -> RunSummary:
-    """Train a policy with GRPO; every field of ``cfg`` has a default (see rl/config.py)."""
+    """Train a policy with GRPO.
+
+    Args:
+        cfg: the run's configuration; every field has a default. Reference: docs/config.md.
+    """
+    run = start_run(cfg=cfg)
+    return training_loop(cfg=cfg, run=run)
+
+
+@workflow
+def grpo_from_file(config_url: str) -> RunSummary:
+    """Train a policy with GRPO, configured by a YAML or JSON file at ``config_url``.
+
+    Args:
+        config_url: a config file: ``s3://bucket/configs/x.yaml``, any fsspec URL, or a path in the image.
+    """
+    cfg = load_config_file(url=config_url)
     run = start_run(cfg=cfg)
     return training_loop(cfg=cfg, run=run)

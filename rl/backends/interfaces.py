@@ -144,6 +144,10 @@ class PolicyBackend(abc.ABC):
     def get_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
         """[N, S] float32 logprobs of the batch under the policy (no gradients)."""
 
+    def load_reference_policy(self) -> None:
+        """Load the reference policy now; otherwise the first reference call loads it (a task calls this first, so
+        that its ``timing/<task>/startup`` covers the load)."""
+
     @abc.abstractmethod
     def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
         """[N, S] float32 logprobs of the batch under the reference policy."""

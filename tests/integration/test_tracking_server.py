@@ -3,47 +3,11 @@ final model (an HF folder that `from_pretrained` loads) all land in the run."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import metric_steps, small_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [
-        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "artifacts"),
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None, "mlflow server exited"
-            assert time.time() < deadline, "mlflow server did not start in 120 s"
-            time.sleep(0.5)
-    yield url
-    os.killpg(proc.pid, 15)
-    proc.wait(timeout=30)
 
 
 @pytest.mark.integration
@@ -65,9 +29,16 @@ def test_run_logged_to_a_real_tracking_server(tmp_path, tiny_model_dir, mlflow_s
     assert run.data.tags["grpoflow.run_id"] == summary.run_id
     assert "flyte.execution_id" in run.data.tags
     names = {a.path for a in client.list_artifacts(summary.mlflow_run_id)}
-    assert {"model", "plots", "validation"} <= names
+    assert {"plots", "validation"} <= names
     table = client.list_artifacts(summary.mlflow_run_id, "validation")
     assert [a.path for a in table] == ["validation/step_000001.json"]
-    local = client.download_artifacts(summary.mlflow_run_id, "model", str(tmp_path / "dl"))
-    assert not (Path(local) / "trainer_state").exists()
-    assert AutoModelForCausalLM.from_pretrained(local).num_parameters() > 0
+    import mlflow
+    import mlflow.artifacts
+
+    mlflow.set_tracking_uri(mlflow_server)  # runs:/ finds the run's logged model through the global URI only
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(f"runs:/{summary.mlflow_run_id}/model", dst_path=str(tmp_path / "dl")))
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert (local / "MLmodel").exists() and not (local / "model" / "trainer_state").exists()
+    assert AutoModelForCausalLM.from_pretrained(local / "model").num_parameters() > 0

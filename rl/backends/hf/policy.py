@@ -108,12 +108,15 @@ class HFPolicy(PolicyBackend):
     def get_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
         return self._logprobs(self.model, batch, micro_batch_size)
 
-    def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+    def load_reference_policy(self) -> None:
         if self._reference is None:
             from rl.backends.hf.model import load_model
 
             self._reference = load_model(self._reference_path)
             self._reference.requires_grad_(False)
+
+    def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+        self.load_reference_policy()
         return self._logprobs(self._reference, batch, micro_batch_size)
 
     def _logprobs(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None) -> torch.Tensor:

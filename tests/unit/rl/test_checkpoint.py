@@ -336,7 +336,6 @@ def test_loaders_load_only_complete_checkpoints(store, tmp_path, monkeypatch):
     from rl.backends.hf.policy import HFPolicy
     from rl.backends.vllm.generation import VLLMGeneration
     from tasks import finish
-    from tasks.types import RunInfo
 
     root, so = store
     base = str(tmp_path / "base")  # step 0: the base model folder, which has no marker
@@ -351,16 +350,15 @@ def test_loaders_load_only_complete_checkpoints(store, tmp_path, monkeypatch):
     monkeypatch.setattr(VLLMGeneration, "_start", lambda self, folder: started.append(folder))
     logged = []
 
-    class Client:
-        def log_artifact(self, run_id, local, artifact_path):
-            logged.append(Path(local).name)
+    def hf_files(v):
+        with finish.hf_folder(cfg, v) as folder:
+            logged.extend(p.name for p in folder.iterdir())
 
-    run = RunInfo(run_id=RUN, mlflow_run_id="mlflow-1", model_path=base, start_step=0, start_policy_path=base)
     loaders = {
         "hf generation": lambda v: HFGeneration(cfg, tokenizer=None, model_path=base).refit(v),
         "vllm generation": lambda v: VLLMGeneration(cfg, tokenizer=None, model_path=base).refit(v),
         "hf policy": lambda v: HFPolicy(cfg, tokenizer=None, reference_path=base).load_checkpoint(v, with_optimizer=False),
-        "finish": lambda v: finish._log_model(Client(), cfg, run, v),
+        "finish": hf_files,
     }
     for name, load in loaders.items():
         load(PolicyVersion(step=0, path=base))

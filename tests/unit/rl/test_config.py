@@ -68,7 +68,7 @@ def test_load_yaml_json_inline(tmp_path):
     assert load_config(str(y)).grpo.max_num_steps == 7
     assert load_config(str(j)).optim.lr == 0.001
     assert load_config('{"generation": {"max_new_tokens": 5}}').generation.max_new_tokens == 5
-    with pytest.raises(ValueError, match="neither an existing"):
+    with pytest.raises(ValueError, match="config file 'missing.yaml': does not exist"):
         load_config("missing.yaml")
 
 
@@ -319,3 +319,169 @@ def test_tracking_uri_is_checked_loosely():
         config_from_dict({"tracking": {"uri": " http://host:5000"}})
     for uri in ("http://user:pw@host:5000", "sqlite:///runs/mlflow.db", "runs/mlruns", "databricks"):
         assert config_from_dict({"tracking": {"uri": uri}}).tracking.uri == uri
+
+
+# ---------------------------------------------------------------- config files at URLs (load_config)
+
+
+def test_load_config_reads_paths_and_file_urls(tmp_path, monkeypatch):
+    y = tmp_path / "run.yaml"
+    y.write_text("grpo:\n  max_num_steps: 6\noptim:\n  lr: 2.0e-5\n")
+    assert load_config(str(y)).grpo.max_num_steps == 6
+    assert load_config(y.as_uri()).optim.lr == 2e-5  # file:///...
+    monkeypatch.chdir(tmp_path)
+    assert load_config("run.yaml").grpo.max_num_steps == 6
+    (tmp_path / "empty.yml").write_text("# all defaults\n")
+    assert load_config("empty.yml") == GRPOConfig()
+    (tmp_path / "run.JSON").write_text('{"grpo": {"max_num_steps": 3}}')
+    assert load_config("run.JSON").grpo.max_num_steps == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "match"),
+    [
+        ("nope.yaml", None, r"^config file 'nope.yaml': does not exist \(looked for /.*/nope.yaml\); check the path"),
+        ("run.txt", "grpo: {}", r"^config file 'run.txt': is not a .yaml, .yml or .json file; give a YAML or JSON"),
+        ("run.yaml", "grpo:\n  max_num_steps: [1\n", r"^config file 'run.yaml': is not valid YAML \(.*line 2.*\); check its indentation"),
+        ("run.json", '{"grpo": {"max_num_steps": 1,}}', r"^config file 'run.json': is not valid JSON \(Expecting property name .*\); check"),
+        ("run.yaml", "- grpo\n- optim\n", r"^config file 'run.yaml': holds a list, not a mapping of sections"),
+        ("run.yaml", "just text", r"^config file 'run.yaml': holds the string 'just text', not a mapping of sections"),
+        ("run.yaml", b"\xff\xfe\x00", r"^config file 'run.yaml': is not a text file"),
+        ("run.yaml", "grpo:\n  max_num_steps: four\n", r"^config grpo.max_num_steps: expected a whole number, got the string 'four'"),
+    ],
+)
+def test_load_config_says_what_is_wrong_with_the_file(tmp_path, monkeypatch, name, content, match):
+    monkeypatch.chdir(tmp_path)
+    if isinstance(content, bytes):
+        (tmp_path / name).write_bytes(content)
+    elif content is not None:
+        (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_config(name)
+
+
+def test_load_config_refuses_folders_and_unknown_protocols(tmp_path):
+    (tmp_path / "configs.yaml").mkdir()
+    with pytest.raises(ValueError, match=r"config file '.*configs.yaml': is a folder; name the config file inside it"):
+        load_config(str(tmp_path / "configs.yaml"))
+    with pytest.raises(ValueError, match=r"config file 's4://bucket/x.yaml': cannot be read \(ValueError: Protocol not known: s4\)"):
+        load_config("s4://bucket/x.yaml")
+    with pytest.raises(ValueError, match=r"config \(inline JSON\): is not valid JSON"):
+        load_config('{"grpo": ')
+
+
+def test_env_storage_options_follow_flytekit(monkeypatch):
+    for name in ("FLYTE_AWS_ENDPOINT", "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    from rl.config import env_storage_options
+
+    assert env_storage_options("s3") == {}
+    monkeypatch.setenv("FLYTE_AWS_ENDPOINT", "http://localhost:30002")
+    monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "minio")
+    monkeypatch.setenv("FLYTE_AWS_SECRET_ACCESS_KEY", "miniostorage")
+    assert env_storage_options("s3") == {"endpoint_url": "http://localhost:30002", "key": "minio", "secret": "miniostorage"}
+    assert env_storage_options("gs") == {} and env_storage_options("file") == {}
+
+
+def test_load_config_reads_s3_with_the_flyte_environment(s3_server, monkeypatch):
+    """A config on S3 (moto on loopback), reached as a Flyte pod reaches it: FLYTE_AWS_* in the environment."""
+    import boto3
+    import fsspec
+
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(
+        Bucket="grpoflow", Key="configs/run.yaml", Body=b"grpo:\n  max_num_steps: 5\n"
+    )
+    fsspec.filesystem("s3").clear_instance_cache()
+    monkeypatch.setenv("FLYTE_AWS_ENDPOINT", s3_server)
+    monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("FLYTE_AWS_SECRET_ACCESS_KEY", "testing")
+    assert load_config("s3://grpoflow/configs/run.yaml").grpo.max_num_steps == 5
+    with pytest.raises(ValueError, match=r"^config file 's3://grpoflow/configs/nope.yaml': does not exist; check"):
+        load_config("s3://grpoflow/configs/nope.yaml")
+    monkeypatch.delenv("FLYTE_AWS_ENDPOINT")  # explicit options replace the environment's
+    cfg = load_config("s3://grpoflow/configs/run.yaml", storage_options={"endpoint_url": s3_server})
+    assert cfg.grpo.max_num_steps == 5
+
+
+# ---------------------------------------------------------------- descriptions: Flyte's schema, docs/config.md
+
+
+def _leaf_docs(cls, prefix=""):
+    """(dotted key, attribute docstring or None) of every leaf field of the config tree."""
+    import dataclasses
+
+    from rl.config_check import field_docs, field_hints
+
+    docs = field_docs(cls)
+    for name, hint in field_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            yield from _leaf_docs(hint, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", docs.get(name)
+
+
+def test_every_leaf_field_has_a_docstring():
+    missing = [key for key, doc in _leaf_docs(GRPOConfig) if not doc]
+    assert missing == [], f"document these fields with a string right under them: {missing}"
+
+
+def test_field_docs_are_read_from_the_class_that_declares_the_field():
+    from rl.config import CPUResources, RolloutResources, TrainResources
+    from rl.config_check import class_doc, field_docs
+
+    assert field_docs(TrainResources)["memory"] == "Memory request and limit, a Kubernetes quantity (``16Gi``, ``256Gi``)."
+    assert field_docs(RolloutResources)["memory"] == "Memory request and limit, a Kubernetes quantity (``8Gi``, ``64Gi``)."
+    assert field_docs(CPUResources)["gpu"] == "GPUs per task (``nvidia.com/gpu``); 0 runs on CPU."  # inherited
+    assert class_doc(GRPOConfig) is None  # no docstring written: not the signature @dataclass makes up
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_flyte_schema_describes_every_field():
+    """flytekit puts mashumaro's JSON schema of the config into the input's literal type; each property carries its
+    field's docstring as ``description``."""
+    from flytekit.core.type_engine import TypeEngine
+
+    from rl.config_check import one_line
+
+    schema = TypeEngine.to_literal_type(GRPOConfig).metadata
+    assert schema["properties"]["optim"]["properties"]["lr"] == {"type": "number", "description": "AdamW learning rate after warmup.", "default": 1e-5}
+    train_memory = schema["properties"]["resources"]["properties"]["train"]["properties"]["memory"]
+    assert train_memory["description"] == "Memory request and limit, a Kubernetes quantity (`16Gi`, `256Gi`)."
+    for key, doc in _leaf_docs(GRPOConfig):
+        node = schema
+        for part in key.split("."):
+            node = node["properties"][part]
+        assert node["description"] == one_line(doc), key
+
+
+def test_config_reference_is_up_to_date():
+    """docs/config.md is generated from the dataclasses: regenerate it with ``python scripts/config_reference.py``."""
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    render = runpy.run_path(str(root / "scripts" / "config_reference.py"))["render"]
+    text = render()
+    assert (root / "docs" / "config.md").read_text() == text, "docs/config.md is stale: run python scripts/config_reference.py"
+    for key, _ in _leaf_docs(GRPOConfig):
+        assert f"| `{key}` |" in text
+    assert "| `optim.lr` | number | `1e-05` | AdamW learning rate after warmup. |" in text
+    assert "| `grpo.advantage_clip` | number or null | `null` |" in text
+
+
+def test_load_config_keeps_a_dropped_connection_transient(tmp_path):
+    """A task retries a transient failure (``tasks/retry.py``): the ValueError keeps the connection error as its cause,
+    while a missing file stays permanent."""
+    import socket
+
+    from dataplane.errors import is_transient
+
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"^config file 'http://127.0.0.1:{port}/run.yaml': cannot be read \(ClientConnectorError: ") as refused:
+        load_config(f"http://127.0.0.1:{port}/run.yaml")  # fsspec's HTTP filesystem calls this a missing file
+    assert is_transient(refused.value)
+    with pytest.raises(ValueError, match="does not exist") as missing:
+        load_config(str(tmp_path / "nope.yaml"))
+    assert not is_transient(missing.value)

@@ -53,3 +53,22 @@ def test_release_shuts_the_runs_back_ends_down(tmp_path, run, tiny_model_dir):
     gen = runtime.generation(cfg, run, PolicyVersion(step=0, path=tiny_model_dir))
     runtime.release(run)
     assert gen.weight_version is None and not [k for k in runtime._BACKENDS if k[0] == run.run_id]
+
+
+def test_startup_counts_from_the_process_start_for_the_first_task_only(monkeypatch):
+    """The first task of a process (a pod) counts its startup from the process's start: interpreter and imports
+    included; a later task of the same process (a local run) from its own start."""
+    import time
+
+    import psutil
+
+    from tasks import runtime
+
+    monkeypatch.setattr(runtime, "_TASKS_STARTED", 0)
+    first = runtime.begin_task()
+    assert first == psutil.Process().create_time()
+    before = time.time()
+    second = runtime.begin_task()
+    assert before <= second <= time.time()
+    (key, seconds), = runtime.startup_metric("rollout", first).items()
+    assert key == "timing/rollout/startup" and seconds >= time.time() - first - 1

@@ -1,0 +1,181 @@
+"""What a new user sees from the command line: ``pyflyte run workflows/grpo.py grpo --cfg ...`` errors and help, the
+run's last line, and the Flyte client config files (flyte.yaml, flyte-sandbox.yaml) as flytekit reads them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # flytekit's import of click.__version__
+
+
+@pytest.fixture(scope="module")
+def pyflyte():
+    """``pyflyte(*args)`` -> (exit code, output with rich's boxes and line wrapping undone), run in this process."""
+    from click.testing import CliRunner
+    from flytekit.clis.sdk_in_container.pyflyte import main
+
+    runner = CliRunner()
+
+    def run(*args: str) -> tuple[int, str]:
+        result = runner.invoke(main, list(args))
+        return result.exit_code, " ".join(result.output.replace("│", " ").split())
+
+    return run
+
+
+# ---------------------------------------------------------------- pyflyte run --cfg
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ('{"grpo": {"max_num_steps": "four"}}', "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted"),
+        ('{"optim": {"lr": "fast"}}', "config optim.lr: expected a finite number, got the string 'fast'; write a number such as 0.5 or 1e-5"),
+        ('{"optim": {"lr_typo": 1}}', "config optim: unknown keys ['lr_typo']; use only ['logprob_batch_size', 'lr',"),
+        ('{"grpo": {"max_num_steps": 0}}', "config grpo.max_num_steps: is 0; use at least 1"),
+        ('{"grpo": {"val_at_start": "no"}}', "config grpo.val_at_start: expected true or false, got the string 'no'"),
+    ],
+)
+def test_a_bad_cfg_is_one_paragraph_without_a_traceback(pyflyte, cfg, message):
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", cfg)
+    assert code == 2  # click's usage error, before anything runs
+    assert f"Invalid value for '--cfg': {message}" in out
+    assert "Traceback" not in out and "config_check.py" not in out
+
+
+def test_a_bad_cfg_file_is_one_paragraph_without_a_traceback(pyflyte, tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("optim:\n  lr: fast\n")
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", str(cfg))
+    assert code == 2
+    assert "Invalid value for '--cfg': config optim.lr: expected a finite number, got the string 'fast'" in out
+    assert "Traceback" not in out
+
+
+def test_help_points_to_the_config_reference(pyflyte):
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--help")
+    assert code == 0
+    # flytekit appends the input's JSON schema to its help text; the workflow's description of cfg comes first
+    cfg_help = out[out.index("--cfg") :]
+    assert cfg_help.index("docs/config.md") < cfg_help.index('"type": "object"')
+
+
+def test_from_json_errors_are_click_usage_errors_and_value_errors():
+    import click
+    from flytekit.interaction.click_types import JsonParamType
+
+    from rl.config import GRPOConfig
+
+    with pytest.raises(click.BadParameter) as err:
+        JsonParamType(GRPOConfig).convert('{"grpo": {"max_num_steps": "four"}}', None, None)
+    assert isinstance(err.value, ValueError)
+    assert str(err.value) == "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted"
+    with pytest.raises(ValueError, match=r"^config: not valid JSON \(Expecting value: line 1 column 1 \(char 0\)\); write a JSON object"):
+        GRPOConfig.from_json("four")
+
+
+# ---------------------------------------------------------------- the run's last line
+
+
+def test_run_summary_prints_as_one_short_line():
+    from tasks.types import RunSummary
+
+    summary = RunSummary(
+        run_id="grpo-20260101-abc",
+        mlflow_run_id="0123456789abcdef",
+        tracking_uri="http://alice:pw@mlflow:5000",
+        final_step=4,
+        last_checkpoint="s3://AKIA:hush@bucket/runs/grpo-20260101-abc/checkpoints/step_000004",
+        validation_accuracy=0.5625,
+        metrics={f"train/metric_{i}": float(i) for i in range(60)},
+    )
+    expected = (
+        "RunSummary(run_id='grpo-20260101-abc', final_step=4, validation_accuracy=0.562, mlflow_run_id='0123456789abcdef', "
+        "last_checkpoint='s3://***@bucket/runs/grpo-20260101-abc/checkpoints/step_000004')"
+    )
+    assert str(summary) == repr(summary) == expected
+    assert "validation_accuracy=none" in str(dataclasses.replace(summary, validation_accuracy=-1.0))
+    assert [f.name for f in dataclasses.fields(RunSummary)] == [
+        "run_id", "mlflow_run_id", "tracking_uri", "final_step", "last_checkpoint", "validation_accuracy", "metrics",
+    ]
+    assert summary.metrics["train/metric_59"] == 59.0  # the metrics stay on the object, out of the line
+
+
+# ---------------------------------------------------------------- flyte.yaml, flyte-sandbox.yaml
+
+_FLYTE_ENV = (
+    "FLYTECTL_CONFIG", "FLYTE_PLATFORM_URL", "FLYTE_PLATFORM_INSECURE", "FLYTE_PLATFORM_CONSOLE_ENDPOINT",
+    "FLYTE_CREDENTIALS_AUTH_MODE", "FLYTE_AWS_ENDPOINT", "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_SECRET_ACCESS_KEY",
+)
+
+
+@pytest.fixture
+def no_flyte_env(monkeypatch):
+    for name in _FLYTE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("name", "endpoint", "insecure", "console", "s3_endpoint", "s3_key"),
+    [
+        ("flyte.yaml", "flyte.example.com", False, "https://flyte.example.com", None, None),
+        ("flyte-sandbox.yaml", "localhost:30080", True, "http://localhost:30080", "http://localhost:30002", "minio"),
+    ],
+)
+def test_flyte_config_files_parse_as_flytekit_reads_them(no_flyte_env, name, endpoint, insecure, console, s3_endpoint, s3_key):
+    from flytekit.configuration import Config
+
+    cfg = Config.auto(config_file=str(ROOT / name))
+    assert cfg.platform.endpoint == endpoint
+    assert cfg.platform.insecure is insecure
+    assert cfg.platform.auth_mode == "Pkce"
+    assert cfg.platform.console_endpoint == console
+    assert cfg.data_config.s3.endpoint == s3_endpoint
+    assert cfg.data_config.s3.access_key_id == s3_key
+    assert cfg.data_config.s3.secret_access_key == ("miniostorage" if s3_key else None)
+
+
+def _yaml_keys(node, prefix=""):
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _yaml_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+@pytest.mark.parametrize("name", ["flyte.yaml", "flyte-sandbox.yaml"])
+def test_flyte_config_files_hold_only_keys_flytekit_reads(name):
+    """A misspelt key (``storage.connection.access_key``, flytectl's ``storage.type``) would be silently ignored."""
+    from flytekit.configuration import internal
+    from flytekit.configuration.file import ConfigEntry
+
+    read = {
+        entry.yaml_entry.switch
+        for section in vars(internal).values()
+        if isinstance(section, type)
+        for entry in vars(section).values()
+        if isinstance(entry, ConfigEntry) and entry.yaml_entry is not None
+    }
+    keys = set(_yaml_keys(yaml.safe_load((ROOT / name).read_text())))
+    assert keys <= read, sorted(keys - read)
+    assert {"admin.endpoint", "admin.insecure", "admin.authType", "console.endpoint"} <= keys
+
+
+def test_flyte_config_keys_yield_to_the_environment(no_flyte_env):
+    """The overrides the files' comments document."""
+    from flytekit.configuration import Config
+
+    no_flyte_env.setenv("FLYTE_PLATFORM_URL", "flyte.acme.com")
+    no_flyte_env.setenv("FLYTE_PLATFORM_INSECURE", "false")
+    no_flyte_env.setenv("FLYTE_AWS_ENDPOINT", "http://minio.acme.com:9000")
+    cfg = Config.auto(config_file=str(ROOT / "flyte-sandbox.yaml"))
+    assert cfg.platform.endpoint == "flyte.acme.com" and cfg.platform.insecure is False
+    assert cfg.data_config.s3.endpoint == "http://minio.acme.com:9000"
+    assert cfg.data_config.s3.access_key_id == "minio"  # not overridden: from the file
