@@ -64,14 +64,8 @@ def project_entities(monkeypatch):
     and an entity a test adds does not outlive it."""
     import workflows.launch_plans  # noqa: F401 (registers every project entity)
     from flytekit.core.context_manager import FlyteEntities
-    from flytekit.core.launch_plan import LaunchPlan
 
-    def ours(entity) -> bool:
-        if isinstance(entity, LaunchPlan):
-            return ours(entity.workflow)
-        module = sys.modules.get(str(getattr(entity, "instantiated_in", "")))
-        # declared at module level in the project (a compiled @dynamic's sub-workflow is not)
-        return module is not None and module.__name__.startswith(("tasks.", "workflows.")) and getattr(module, entity.name.rsplit(".", 1)[-1], None) is entity
+    from workflows.registration import _declared_here as ours
 
     monkeypatch.setattr(FlyteEntities, "entities", [e for e in FlyteEntities.entities if ours(e)])
 
