@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 G = 8
 
 
-def _rollout_batch(model, tok, cfg, problems):
+def _rollout_batch(model, tok, cfg, problems, precision: str = "bfloat16"):
     """One step's padded training batch from ours' sampler, as `train_on_batch` takes it."""
     from rl.advantages import compute_advantages
     from rl.data import prompt_token_ids, score
@@ -42,7 +42,7 @@ def _rollout_batch(model, tok, cfg, problems):
 
     d = cfg.data
     prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems for _ in range(G)]
-    gen = generate(model, tok, prompts, max_new_tokens=32, temperature=1.0, batch_size=len(prompts), precision="bfloat16")
+    gen = generate(model, tok, prompts, max_new_tokens=32, temperature=1.0, batch_size=len(prompts), precision=precision)
     texts = tok.batch_decode(gen.response_token_ids, skip_special_tokens=True)
     owners = [p for p in problems for _ in range(G)]
     rewards = torch.tensor([score(p, t, d.dataset, d.dataset_kwargs, d.seed) for p, t in zip(owners, texts)])
@@ -54,7 +54,7 @@ def _rollout_batch(model, tok, cfg, problems):
         ids[i, : lengths[i]], token_mask[i, : lengths[i]] = gen.input_ids[i], gen.token_mask[i]
         gen_lp[i, : lengths[i]] = gen.generation_logprobs[i]
     adv, _, _ = compute_advantages(rewards, torch.ones(n, dtype=torch.bool), group_size=G, leave_one_out=False)
-    ref = batched_logprobs(model, ids, lengths, token_mask, batch_size=32, precision="bfloat16")
+    ref = batched_logprobs(model, ids, lengths, token_mask, batch_size=32, precision=precision)
     batch = {
         "input_ids": ids, "input_lengths": lengths, "generation_logprobs": gen_lp, "reference_policy_logprobs": ref,
         "advantages": adv[:, None] * token_mask.float(), "token_mask": token_mask, "sample_mask": torch.ones(n, dtype=torch.bool),

@@ -15,7 +15,7 @@ import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pyarrow as pa
@@ -28,6 +28,9 @@ from dataplane.errors import DataPlaneError, IntegrityError, retry_transient
 from dataplane.codec import DTYPE_KEY, Layout, column_from_arrow, column_to_arrow, materialize, nested_lengths
 from dataplane.fields import INPUT_LENGTHS, SAMPLE_ID, TOKEN_FIELDS
 from dataplane.meta import GLOBAL_FORWARD_PAD_SEQLEN, KVBatchMeta
+
+if TYPE_CHECKING:  # tensordict costs ~1.7 s to import: only the model tasks load it
+    from tensordict import TensorDict
 
 
 __all__ = ["DataPlane", "DataPlaneError", "DataPlaneWarning", "IntegrityError"]
@@ -435,6 +438,27 @@ class DataPlane:
         if pad_to_seqlen is None:
             pad_to_seqlen = int(meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN, 0))
         return materialize(columns, layout=layout, pad_value_dict=pad_value_dict, pad_to_seqlen=pad_to_seqlen)
+
+    def read_batch(
+        self, meta: KVBatchMeta, select_fields: Sequence[str], *, pad_value_dict: Mapping[str, float | int] | None = None
+    ) -> TensorDict:
+        """:meth:`read` of tensor fields as a ``tensordict.TensorDict`` with ``batch_size=[N]`` (the wire type of
+        NeMo-RL's ``materialize``): per-token fields [N, S] padded to the meta's ``global_forward_pad_seqlen``,
+        per-sample fields [N]. Split it per rank or micro-batch and move it to a device with its own methods
+        (``split``, indexing, ``to``).
+
+        Raises:
+            TypeError: a selected field is not a tensor (text, records): read those with :meth:`read`.
+            and what :meth:`read` raises.
+        """
+        from tensordict import TensorDict
+
+        columns = self.read(meta, select_fields, pad_value_dict=pad_value_dict)
+        loose = sorted(k for k, v in columns.items() if not isinstance(v, torch.Tensor))
+        if loose:
+            msg = f"read_batch reads tensor fields only; {loose} are not tensors: read them with DataPlane.read"
+            raise TypeError(msg)
+        return TensorDict(columns, batch_size=[meta.size()])
 
     def _read_snapshot(self, snap: _Snapshot, meta: KVBatchMeta, select_fields: Sequence[str]) -> dict[str, Any]:
         """``select_fields`` of ``meta``'s rows from the files that ``snap``'s commits name (unpadded columns)."""

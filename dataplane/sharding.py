@@ -57,3 +57,36 @@ def shard_meta_for_dp(meta: KVBatchMeta, *, dp_world: int) -> tuple[list[KVBatch
     for pos, i in enumerate(flat):
         unsorted[i] = pos
     return shards, unsorted
+
+
+def shard_updates_for_dp(meta: KVBatchMeta, *, dp_world: int, rank: int, rows_per_update: int) -> tuple[KVBatchMeta, list[int]]:
+    """Rank ``rank``'s rows of a step that makes several optimizer updates, each on ``rows_per_update`` consecutive
+    rows of ``meta``: every update's rows are split across the ranks by :func:`shard_meta_for_dp`, so update ``g``
+    of every rank together is exactly update ``g`` of one rank (the same samples, the same global token counts).
+
+    Args:
+        meta: the step's batch; needs ``sequence_lengths``. Its ``global_forward_pad_seqlen`` (stamped here if
+            missing) is every shard's, so all ranks' tensors share one sequence dimension.
+        dp_world: data-parallel ranks (>= 1).
+        rank: this rank, ``0 <= rank < dp_world``.
+        rows_per_update: the global batch of one optimizer update (``train_global_batch_size``); the last update
+            takes the remainder.
+
+    Returns:
+        ``(shard, update_sizes)``: this rank's rows, update by update, and how many of them each update has (a
+        rank may have 0 rows in an update that has fewer rows than ranks).
+
+    Raises:
+        ValueError: ``rank`` out of range, ``rows_per_update < 1``, or what :func:`shard_meta_for_dp` raises for.
+    """
+    if not 0 <= rank < dp_world:
+        msg = f"rank {rank} is not in [0, {dp_world})"
+        raise ValueError(msg)
+    if rows_per_update < 1:
+        msg = f"rows_per_update must be >= 1, got {rows_per_update}"
+        raise ValueError(msg)
+    parent = meta.stamp_pad_seqlen()
+    pieces = [shard_meta_for_dp(parent.slice(g0, min(g0 + rows_per_update, parent.size())), dp_world=dp_world)[0][rank] for g0 in range(0, parent.size(), rows_per_update)]
+    if not pieces:
+        return parent.subset([]), []
+    return pieces[0].concat(*pieces[1:]), [p.size() for p in pieces]

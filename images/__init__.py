@@ -30,6 +30,7 @@ COMMON_PACKAGES = [
     "boto3==1.43.117",
     "botocore==1.43.117",
     "flytekit==1.16.31",
+    "flytekitplugins-kfpytorch==1.16.31",
     "mlflow==3.17.2",
     "mlflow-skinny==3.17.2",
     "reasoning_gym==0.1.25",

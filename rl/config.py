@@ -217,12 +217,26 @@ class GenerationConfig(Section):
 class PolicyConfig(Section):
     backend: str = "transformers"
     """Policy (logprobs and training) back-end: ``transformers``. See ``rl/backends/registry.py``."""
+    nproc_per_node: int = 1
+    """Data-parallel ranks per node of the train and logprob tasks (torchrun's ``--nproc_per_node``): one per GPU
+    on a cluster (``resources.train.gpu``), gloo processes on CPU. 1 runs the task in its own process, no ranks."""
+    nnodes: int = 1
+    """Nodes of the train and logprob tasks (torchrun's ``--nnodes``); above 1 they run as a Kubeflow PyTorchJob
+    (flytekitplugins-kfpytorch ``Elastic``). The data-parallel size is ``nnodes * nproc_per_node``."""
 
     def __post_init__(self) -> None:
         from rl.backends.registry import check_name
 
         _check_fields(self)
         check_name("policy", self.backend)
+        for key in ("nproc_per_node", "nnodes"):
+            if getattr(self, key) < 1:
+                _fail(f"policy.{key}", f"is {getattr(self, key)}", "use 1 or more")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each read a shard of the step: ``nnodes * nproc_per_node``."""
+        return self.nnodes * self.nproc_per_node
 
 
 @dataclass
@@ -467,6 +481,9 @@ class GRPOConfig(Section):
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        gpus, ranks = self.resources.train.gpu, self.policy.nproc_per_node
+        if 0 < gpus < ranks:
+            _fail("policy.nproc_per_node", f"is {ranks} but resources.train.gpu is {gpus}", "give each rank its own GPU: set resources.train.gpu to nproc_per_node")
         n = self.samples_per_step
         gbs = self.optim.train_global_batch_size
         if gbs is not None and n % gbs:

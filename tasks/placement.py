@@ -18,6 +18,7 @@ from images.cpu import cpu_image
 from images.rollout_gpu import rollout_gpu_image
 from images.train_gpu import train_gpu_image
 from rl.config import GRPOConfig, ResourcesConfig, TaskResources
+from tasks.data_parallel import DataParallel
 
 ROLE: dict[str, str] = {
     "rollout": "rollout",
@@ -128,6 +129,11 @@ def placed(cfg: GRPOConfig, task: Any, *, node_name: str | None = None) -> Calla
         if not isinstance(first, Promise) or FlyteContextManager.current_context().compilation_state is None:
             return out
         first.with_overrides(node_name=node_name, **overrides(cfg, role))
+        if cfg.policy.nnodes > 1 and hasattr(task, "task_config") and isinstance(task.task_config, DataParallel):
+            # several nodes: the node is a Kubeflow PyTorchJob of that many replicas (one node's ranks read the
+            # config at run time, tasks.data_parallel); the override replaces the task's config
+            nodes = DataParallel(nnodes=cfg.policy.nnodes, nproc_per_node=cfg.policy.nproc_per_node)
+            first.with_overrides(task_config=nodes)
         return out
 
     return call

@@ -41,11 +41,13 @@ def startup_metric(task: str, since: float) -> dict[str, float]:
 
 
 def set_threads() -> None:
+    """torch's intra-op threads: ``GRPOFLOW_NUM_THREADS`` (unset: torch's default), shared out among the ranks a
+    data-parallel task runs on this node (torch elastic's ``LOCAL_WORLD_SIZE``), so that they do not oversubscribe it."""
     import torch
 
     threads = int(os.environ.get("GRPOFLOW_NUM_THREADS", "0"))
     if threads > 0:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def dataplane(cfg: GRPOConfig, run: RunInfo):

@@ -26,6 +26,8 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     since = runtime.begin_task()
     execution = current_context().execution_id
     local = execution.name == "local"  # every local execution has this id; a remote one is unique
+    # tasks run cold in pods, and locally too with data-parallel ranks: each train task spawns new rank processes
+    cold = not local or cfg.policy.data_parallel_size > 1
     if local:  # every task runs here: a back-end that cannot be imported fails now, not at step 1 (remote tasks
         # import theirs in their own images)
         check_installed("generation", cfg.generation.backend)
@@ -36,7 +38,7 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     if cfg.grpo.val_period or cfg.grpo.val_at_start:
         val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
     if cfg.checkpointing.resume_run_id:
-        return _resume(cfg, cfg.checkpointing.resume_run_id, model_path, cold_tasks=not local)
+        return _resume(cfg, cfg.checkpointing.resume_run_id, model_path, cold_tasks=cold)
     # a retried start_run of a remote execution finds the MLflow run and run id of its first attempt
     run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}" if local else f"run-{execution.name}"
     tags = {
@@ -55,7 +57,7 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     tracking.log_metrics(cfg.tracking.uri, mlflow_run_id, runtime.startup_metric("start_run", since), 0)
     print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {model_path}", flush=True)
     return RunInfo(
-        run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path, cold_tasks=not local
+        run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path, cold_tasks=cold
     )
 
 

@@ -9,43 +9,61 @@ from flytekit import task
 
 from dataplane.meta import KVBatchMeta
 from rl.config import GRPOConfig
+from tasks.data_parallel import DataParallel, fault_drill
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
 
 
-@task(retries=2, **declared("train"))
+@task(retries=2, task_config=DataParallel(), **declared("train"))
 @transient_errors_retried
 def train(
     cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, batch: KVBatchMeta, prev: KVBatchMeta, ref: KVBatchMeta
 ) -> PolicyVersion:
     """Train on ``DP_TRAIN_FIELDS`` of the step (``batch`` carries advantages; ``prev``/``ref`` carry the
-    logprob deltas and timings) and return the policy after this step."""
+    logprob deltas and timings) and return the policy after this step.
+
+    With ``policy.nnodes * policy.nproc_per_node`` > 1 this body runs on every rank (``tasks.data_parallel``), each
+    on its shard of the step; rank 0 alone saves, logs and clears, after every rank finished its update."""
+    from rl import distributed
+    from tasks import runtime
+
+    since = runtime.begin_task()
+    with distributed.process_group():
+        return _train(cfg, run, policy, batch.join(prev, ref), since)
+
+
+def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta, since: float) -> PolicyVersion:
     from dataplane import fields as F
     from dataplane import paths
+    from rl import distributed
     from rl.seeding import seed_all, step_seed
     from tasks import kept_rollouts, runtime, saving, tracking
 
-    since = runtime.begin_task()
     started = time.time()
     runtime.set_threads()
     step = policy.step + 1
+    lead = distributed.rank() == 0
     dp = runtime.dataplane(cfg, run)
     finished = _finished_attempt(cfg, run, step)
     if finished is not None:  # an earlier attempt saved, logged and maybe cleared, then died before returning
         from dataplane.urls import redact
 
-        dp.clear(paths.step_partition(step))
-        print(f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | done by an earlier attempt: {redact(finished.path)}", flush=True)
+        if lead:
+            dp.clear(paths.step_partition(step))
+            print(f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | done by an earlier attempt: {redact(finished.path)}", flush=True)
         return finished
-    meta = batch.join(prev, ref)
     wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
     backend = runtime.policy(cfg, run, policy, training=True)
     ready = runtime.startup_metric("train", since)
     seed_all(step_seed(cfg.grpo.seed, step, "train"))  # the checkpoint's RNG state is a function of the step
     try:
-        metrics, data = backend.train_from_meta(meta, dp, fields=wanted)
+        metrics = backend.train_from_meta(meta, dp, fields=wanted, rows_per_update=cfg.global_batch_size)
         trained = time.time()
+        fault_drill("train")
+        distributed.barrier()  # rank 0 commits the step only once every rank has finished it
+        if not lead:
+            return policy  # rank 0's result is the task's; the others' is dropped
         new_policy = saving.save_policy(cfg, run, backend, started_from=policy)
         done = time.time()
     except BaseException:
@@ -60,7 +78,6 @@ def train(
     out.update({k: v for k, v in info.items() if k.startswith("timing/")})
     out.update(ready)
     out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get("timing/train/ref_lp", 0.0)
-    out["train/total_num_tokens"] = float(data[F.INPUT_LENGTHS].sum())
     out["timing/train/policy_training"] = trained - started
     out["timing/train/checkpointing"] = done - trained
     out["timing/train/total_step_time"] = time.time() - info["step_started_unix"]

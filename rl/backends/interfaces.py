@@ -7,7 +7,8 @@ Tensors in, tensors out; no Flyte. Mirrors NeMo-RL's ``GenerationInterface`` / `
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -157,11 +158,17 @@ class PolicyBackend(abc.ABC):
         """Top-``k`` logits of the policy at the S-1 next-token positions (see :class:`TopkLogits`)."""
 
     @abc.abstractmethod
-    def train(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    def train(self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None) -> dict[str, float]:
         """One step's optimizer updates on ``batch``; bumps :attr:`weight_version` by one.
 
+        Args:
+            batch: the step's rows (this rank's shard of them under data parallelism: ``rl.distributed``).
+            update_sizes: rows of ``batch`` in each optimizer update, in order (this rank's part of each global
+                update, possibly 0); None: ``optim.train_global_batch_size`` rows per update.
+
         Returns:
-            metrics named as NeMo-RL logs them without the ``train/`` prefix (``loss``, ``grad_norm``, ...).
+            metrics named as NeMo-RL logs them without the ``train/`` prefix (``loss``, ``grad_norm``, ...), over
+            the whole step: sums and means over every rank's tokens, the same on every rank.
         """
 
     @abc.abstractmethod
@@ -224,28 +231,54 @@ class PolicyBackend(abc.ABC):
 
         return self._logprobs_from_meta(meta, dataplane, self.get_reference_policy_logprobs, F.REFERENCE_POLICY_LOGPROBS, "ref_lp")
 
-    def train_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane, *, fields: Iterable[str]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        """Read ``fields`` (``DP_TRAIN_FIELDS``, less ``prev_logprobs`` on-policy) of ``meta`` and :meth:`train`.
+    def train_from_meta(
+        self, meta: KVBatchMeta, dataplane: DataPlane, *, fields: Iterable[str], rows_per_update: int | None = None
+    ) -> dict[str, float]:
+        """Read this rank's shard of ``fields`` (``DP_TRAIN_FIELDS``, less ``prev_logprobs`` on-policy) of ``meta``
+        and :meth:`train` on it.
+
+        Under data parallelism (``rl.distributed``: N ranks) each optimizer update's ``rows_per_update`` rows are
+        split token-balanced across the ranks (``dataplane.sharding.shard_updates_for_dp``), every rank reads only
+        its rows, padded to the step's one ``global_forward_pad_seqlen``, and the update is the one a single rank
+        makes on the whole batch.
+
+        Args:
+            rows_per_update: the global batch of one optimizer update; None: the whole of ``meta`` (one update).
 
         Returns:
-            ``(metrics, batch)``: the training metrics and the batch that was read.
+            the training metrics, with ``total_num_tokens`` (prompt + response tokens of the whole step).
         """
         from dataplane import fields as F
+        from dataplane.sharding import shard_updates_for_dp
+        from rl import distributed
 
-        batch = dataplane.read(meta, list(fields), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
+        shard, update_sizes = shard_updates_for_dp(meta, dp_world=distributed.world_size(), rank=distributed.rank(), rows_per_update=rows_per_update or meta.size())
+        batch = dataplane.read_batch(shard, list(fields), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
         self.prepare_for_training()
         try:
-            return self.train(batch), batch
+            metrics = self.train(batch, update_sizes=update_sizes)
         finally:
             self.finish_training()
+        tokens = distributed.sum_scalars({"total_num_tokens": float(batch[F.INPUT_LENGTHS].sum())})
+        return {**metrics, **tokens}
 
     def _logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane, compute: Any, field: str, task_name: str) -> KVBatchMeta:
+        """This rank's token-balanced shard of ``meta`` (``dataplane.sharding.shard_meta_for_dp``), read padded to the
+        step's ``global_forward_pad_seqlen``, goes through ``compute``; the rank writes its rows' ``field`` under
+        their own sample ids in one delta write (its id hashes the field and those ids, so a retried task replaces
+        it). Every rank waits for all writes before the meta naming ``field`` is returned."""
         from dataplane import fields as F
         from dataplane.codec import to_nested_by_length
+        from dataplane.sharding import shard_meta_for_dp
+        from rl import distributed
 
-        batch = dataplane.read(meta, list(F.LP_SEED_FIELDS), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
-        logprobs = compute(batch)  # [N, S]
-        if logprobs.shape != batch[F.INPUT_IDS].shape:
-            msg = f"{self.name} back-end returned logprobs of shape {tuple(logprobs.shape)} for input_ids {tuple(batch[F.INPUT_IDS].shape)}"
-            raise RuntimeError(msg)
-        return dataplane.write_columns(meta, {field: to_nested_by_length(logprobs, batch[F.INPUT_LENGTHS])}, task_name=task_name)
+        shard = shard_meta_for_dp(meta, dp_world=distributed.world_size())[0][distributed.rank()]
+        if shard.size():
+            batch = dataplane.read_batch(shard, list(F.LP_SEED_FIELDS), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
+            logprobs = compute(batch)  # [n, S]
+            if logprobs.shape != batch[F.INPUT_IDS].shape:
+                msg = f"{self.name} back-end returned logprobs of shape {tuple(logprobs.shape)} for input_ids {tuple(batch[F.INPUT_IDS].shape)}"
+                raise RuntimeError(msg)
+            dataplane.write_columns(shard, {field: to_nested_by_length(logprobs, batch[F.INPUT_LENGTHS])}, task_name=task_name)
+        distributed.barrier()
+        return dataclasses.replace(meta, fields=list(dict.fromkeys([*(meta.fields or []), field])), task_name=task_name)

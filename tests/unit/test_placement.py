@@ -271,3 +271,39 @@ def test_resources_unknown_key_names_its_section():
 def test_resources_valid_values_accepted():
     cfg = config_from_dict({"resources": {"train": {"gpu": 8, "accelerator": "nvidia-tesla-a100", "cpu": "500m", "memory": "1.5Ti", "shared_memory": "64Gi", "image": "registry.local:5000/grpoflow"}}})
     assert (cfg.resources.train.cpu, cfg.resources.train.memory, cfg.resources.train.image) == ("500m", "1.5Ti", "registry.local:5000/grpoflow")
+
+
+def test_model_tasks_of_several_nodes_are_pytorch_jobs_with_the_configs_ranks():
+    from tasks.logprobs import reference_logprobs
+    from tasks.train import train
+
+    before = train.task_config, reference_logprobs.task_config
+    cfg = config_from_dict(
+        {"grpo": {"max_num_steps": 1, "val_period": 0}, "policy": {"nnodes": 2, "nproc_per_node": 4}, "resources": {"train": {"gpu": 4}}}
+    )
+    try:
+        spec, _ = _compile(cfg)
+        tasks = {t.id.name: t for t in spec.tasks}
+        for name in ("tasks.train.train", "tasks.logprobs.reference_logprobs"):
+            assert tasks[name].type == "pytorch", name  # a Kubeflow PyTorchJob
+            elastic = tasks[name].custom["elasticConfig"]
+            assert (elastic["minReplicas"], elastic["maxReplicas"], elastic["nprocPerNode"], elastic["rdzvBackend"]) == (2, 2, 4, "c10d")
+            assert tasks[name].custom["workerReplicas"]["replicas"] == 2
+        assert tasks["tasks.rollout.rollout"].type == "python-task"
+        assert _placement(_by_id(spec)["step-1-train"])["requests"][GPU] == "4"  # one GPU per rank of a node
+    finally:
+        train._task_config, reference_logprobs._task_config = before
+
+
+def test_model_tasks_of_one_node_stay_plain_pods():
+    spec, _ = _compile(config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 4}}}))
+    tasks = {t.id.name: t for t in spec.tasks}
+    # one node: the ranks are processes of the task's pod, started by the task itself from the config it reads
+    assert tasks["tasks.train.train"].type == "python-task"
+
+
+def test_ranks_per_node_need_a_gpu_each():
+    with pytest.raises(ValueError, match=r"config policy.nproc_per_node: is 4 but resources.train.gpu is 2; give each rank its own GPU"):
+        config_from_dict({"policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 2}}})
+    with pytest.raises(ValueError, match=r"config policy.nnodes: is 0; use 1 or more"):
+        config_from_dict({"policy": {"nnodes": 0}})

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -178,7 +178,7 @@ class HFPolicy(PolicyBackend):
             self._model.eval()
             self._model.zero_grad(set_to_none=True)
 
-    def train(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    def train(self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None) -> dict[str, float]:
         from rl.backends.hf.train import train_on_batch
 
         if self._optimizer is None or self._optimizer_version != self._version:
@@ -186,7 +186,7 @@ class HFPolicy(PolicyBackend):
             raise RuntimeError(msg)
         assert self._version is not None
         try:
-            metrics = train_on_batch(self.model, self._optimizer, self._scheduler, batch, self._cfg)
+            metrics = train_on_batch(self.model, self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes)
         except BaseException:
             # the weights may be half-updated: drop them, so nothing uses them as any version
             self._model = self._optimizer = self._scheduler = self._version = self._optimizer_version = None

@@ -5,7 +5,7 @@ clipping, AdamW step with warmup. Owns the optimizer; the loss maths is `rl.loss
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -133,56 +133,79 @@ def train_on_batch(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     batch: Mapping[str, torch.Tensor],
     cfg: GRPOConfig,
+    *,
+    update_sizes: Sequence[int] | None = None,
 ) -> dict[str, float]:
-    """Train on one step's batch: ``N / train_global_batch_size`` optimizer updates, each accumulated over
-    micro-batches of ``train_micro_batch_size``.
+    """Train on one step's batch: one optimizer update per entry of ``update_sizes``, each accumulated over
+    micro-batches of ``train_micro_batch_size``; under data parallelism (``rl.distributed``) on this rank's shard.
+
+    Each update's loss is normalized by the token and sequence counts of the whole global update, summed over the
+    ranks (``rl.loss.clipped_pg_loss``; verl's ``agg_loss`` with ``dp_size``), and the ranks' gradients are summed
+    (:func:`rl.distributed.all_reduce_gradients`) before clipping: N ranks make the update one rank makes on the
+    concatenated shards, up to the order of float sums.
 
     Args:
-        batch: padded tensors (N rows, width S): ``input_ids`` [N, S] int64, ``input_lengths`` [N] int64,
-            ``generation_logprobs``, ``prev_logprobs``, ``reference_policy_logprobs``, ``advantages`` [N, S]
-            float32, ``token_mask`` [N, S] bool, ``sample_mask`` [N] bool. Without ``prev_logprobs`` the
-            update must be on-policy (one update per batch) and pi_old is the detached current forward.
+        batch: padded tensors (n rows, width S), a ``tensordict.TensorDict`` with ``batch_size=[n]`` (a plain
+            mapping is wrapped): ``input_ids`` [n, S] int64, ``input_lengths`` [n] int64, ``generation_logprobs``,
+            ``prev_logprobs``, ``reference_policy_logprobs``, ``advantages`` [n, S] float32, ``token_mask`` [n, S]
+            bool, ``sample_mask`` [n] bool. Without ``prev_logprobs`` the step must make one update (on-policy) and
+            pi_old is the detached current forward.
+        update_sizes: consecutive rows of ``batch`` per update (this rank's part of each global update, possibly
+            0); None: ``optim.train_global_batch_size`` rows per update.
 
     Returns:
-        metrics averaged over valid tokens of the whole batch (``loss``, ``grad_norm``, ``probs_ratio``, ...).
+        metrics over the whole step, the same on every rank: ``loss`` (mean over updates of the globally
+        normalized loss), ``grad_norm``, per-token means such as ``probs_ratio``, ``global_valid_toks``, ...
+
+    Raises:
+        ValueError: ``update_sizes`` do not add up to the batch's rows, or several updates without ``prev_logprobs``.
     """
-    n = batch["input_ids"].shape[0]
-    gbs = min(cfg.optim.train_global_batch_size or n, n)
-    if "prev_logprobs" not in batch and gbs != n:
+    from tensordict import TensorDict
+
+    from rl import distributed
+
+    td = batch if isinstance(batch, TensorDict) else TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]])
+    td = td.clone(recurse=False)  # sample_mask may be replaced below: not in the caller's batch
+    n = int(td.batch_size[0])
+    if update_sizes is None:
+        gbs = max(min(cfg.optim.train_global_batch_size or n, n), 1)
+        update_sizes = [min(gbs, n - g0) for g0 in range(0, n, gbs)] or [0]
+    if sum(update_sizes) != n:
+        msg = f"update_sizes {list(update_sizes)} add up to {sum(update_sizes)} rows, but the batch has {n}"
+        raise ValueError(msg)
+    if "prev_logprobs" not in td.keys() and len(update_sizes) != 1:
         msg = "prev_logprobs are missing but the step makes several optimizer updates; compute them (policy_logprobs)"
         raise ValueError(msg)
     mbs = cfg.optim.train_micro_batch_size
+    device = next(model.parameters()).device
     totals: dict[str, float] = {}
     losses, norms, seq_errors = [], [], []
-    batch = dict(batch)
     threshold = cfg.loss.seq_logprob_error_threshold
     if threshold is not None:  # mask sequences whose generation logprobs disagree with pi_old (NeMo-RL grpo_sync)
-        err = seq_mult_prob_error(batch["generation_logprobs"], batch["prev_logprobs"], batch["token_mask"])  # [N]
-        batch["sample_mask"] = batch["sample_mask"].bool() & (err <= threshold)
+        err = seq_mult_prob_error(td["generation_logprobs"], td["prev_logprobs"], td["token_mask"])  # [n]
+        td["sample_mask"] = td["sample_mask"].bool() & (err <= threshold)
     with _reproducible_accumulation():  # bit-for-bit the same update at any thread count
         model.train()
-        for g0 in range(0, n, gbs):
-            rows = slice(g0, g0 + gbs)
-            mask = loss_mask(batch["token_mask"][rows], batch["sample_mask"][rows])
-            global_toks = float(mask.sum().clamp(min=1))
-            global_seqs = float(batch["sample_mask"][rows].float().sum().clamp(min=1))
+        for rows in td.split(list(update_sizes)):
+            mask = loss_mask(rows["token_mask"], rows["sample_mask"])
+            counts = distributed.all_reduce(torch.stack([mask.sum().double(), rows["sample_mask"].double().sum()]))  # [2]
+            global_toks, global_seqs = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             # micro-batches in row order: a rollout's groups stay together and share their prompt's forward
             # (rl.backends.hf.logprobs.forward_logprobs); the global normalization makes the split irrelevant to the update
-            order = torch.arange(g0, min(g0 + gbs, n))  # [gbs]
             # autocast: weights are cast to bf16 once per update, not per micro-batch
             with autocast(model, cfg.model.precision), _embedding_grads_by_row(model):
-                for m0 in range(0, len(order), mbs):
-                    mb = order[m0 : m0 + mbs]  # [m]
-                    width = int(batch["input_lengths"][mb].max())
-                    cut = {k: (v[mb, :width] if v.dim() == 2 else v[mb]) for k, v in batch.items()}
+                for mb in rows.split(mbs) if rows.batch_size[0] else ():
+                    width = int(mb["input_lengths"].max())
+                    cut = mb.apply(lambda v: v[:, :width] if v.dim() == 2 else v).to(device)  # noqa: B023
                     loss, sums, errors = _micro_batch_loss(model, cut, cfg, global_toks=global_toks, global_seqs=global_seqs)
                     loss.backward()
-                    seq_errors.append(errors)
+                    seq_errors.append(errors.cpu())
                     step_loss += float(loss.detach())
                     for k, v in sums.items():
                         totals[k] = totals.get(k, 0.0) + float(v)
+            distributed.all_reduce_gradients(model.parameters())  # sum over ranks: the whole update's gradient
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
             optimizer.step()
@@ -190,15 +213,22 @@ def train_on_batch(
             losses.append(step_loss)
         model.eval()
     optimizer.zero_grad(set_to_none=True)
+    kept = int(td["sample_mask"].bool().sum())
+    ranks = distributed.gather_objects((totals, losses, torch.cat(seq_errors) if seq_errors else torch.zeros(0), n - kept))
+    totals = {}
+    for part, *_ in ranks:  # rank order: the same sums on every rank
+        for k, v in part.items():
+            totals[k] = totals.get(k, 0.0) + v
+    losses = [sum(r[1][g] for r in ranks) for g in range(len(losses))]
+    errors = torch.cat([r[2] for r in ranks])
+    errors = errors if errors.numel() else torch.ones(1)
     toks = max(totals.pop("valid_toks", 0.0), 1.0)
     metrics = {k: v / toks for k, v in totals.items()}
-    errors = torch.cat(seq_errors) if seq_errors else torch.ones(1)
-    errors = errors if errors.numel() else torch.ones(1)
     metrics.update(
         max_seq_mult_prob_error=float(errors.max()),
         mean_seq_mult_prob_error=float(errors.mean()),
         min_seq_mult_prob_error=float(errors.min()),
-        num_masked_by_seq_logprob_error=float(n - int(batch["sample_mask"].bool().sum())) if threshold is not None else 0.0,
+        num_masked_by_seq_logprob_error=float(sum(r[3] for r in ranks)) if threshold is not None else 0.0,
         loss=sum(losses) / len(losses),
         grad_norm=sum(norms) / len(norms),
         lr=float(scheduler.get_last_lr()[0]),

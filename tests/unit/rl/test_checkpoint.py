@@ -12,6 +12,7 @@ import json
 import random
 import shutil
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -429,26 +430,34 @@ def test_transient_failures_of_every_storage_operation_are_retried(store, tmp_pa
 
 
 class _LateProxy:
-    """A TCP port on loopback that refuses connections for ``delay_s`` seconds, then forwards to ``target``."""
+    """A TCP port on loopback that drops every connection (a reset) for ``delay_s`` seconds from the first one, then
+    forwards to ``target``. The outage starts with the first connection, not with the proxy: building the model
+    before the first request takes seconds on a loaded machine, and an outage that is over by then tests nothing."""
 
     def __init__(self, target: str, delay_s: float) -> None:
         host, port = target.removeprefix("http://").split(":")
         self._target = (host, int(port))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self._srv.getsockname()[1]
+        self.dropped = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(delay_s,), daemon=True)
         self._thread.start()
 
     def _serve(self, delay_s: float) -> None:
-        time.sleep(delay_s)
-        with socket.create_server(("127.0.0.1", self.port)) as srv:
+        first = None
+        with self._srv as srv:
             srv.settimeout(0.2)
             while not self._stop.is_set():
                 try:
                     client, _ = srv.accept()
                 except TimeoutError:
+                    continue
+                first = time.monotonic() if first is None else first
+                if time.monotonic() - first < delay_s:
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    client.close()  # linger 0: a reset, as a dropped connection
+                    self.dropped += 1
                     continue
                 upstream = socket.create_connection(self._target)
                 for a, b in ((client, upstream), (upstream, client)):
@@ -473,8 +482,8 @@ class _LateProxy:
         self._thread.join(5)
 
 
-def test_an_s3_endpoint_refusing_connections_for_a_while_does_not_fail_a_save(s3_server, monkeypatch, capsys):
-    """A real outage: the endpoint refuses connections for 4 s, with s3fs's and botocore's own retries turned down
+def test_an_s3_endpoint_dropping_connections_for_a_while_does_not_fail_a_save(s3_server, monkeypatch, capsys):
+    """A real outage: the endpoint resets every connection for 4 s, with s3fs's and botocore's own retries turned down
     so that they give up well within it (as they do within an outage of ~30 s). Only loopback S3: a local folder
     has no endpoint."""
     import s3fs

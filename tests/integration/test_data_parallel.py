@@ -1,0 +1,201 @@
+"""The train and logprob tasks with two data-parallel ranks (``policy.nproc_per_node: 2``): gloo processes that
+flytekitplugins-kfpytorch's ``Elastic`` launcher (torch elastic, as torchrun) spawns on this CPU, each reading only
+its shard of the step. Tasks are called as Flyte's local executor calls them, step by step as ``grpo_step`` orders
+them, with a tiny random model.
+
+The tiny model never solves a problem, so every reward, hence every advantage, is 0 and the first update would
+be driven by float noise alone (Adam normalizes any gradient to a step of ~lr): after ``advantages`` the test
+replaces the column with fixed random advantages, in the same write the task made, so that the update has a
+direction and the 1-rank and 2-rank updates can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from flytekit.exceptions.base import FlyteRecoverableException
+
+from dataplane import fields as F
+from tasks.types import PolicyVersion
+from tests.helpers import small_config
+from tests.integration.test_retry import _metrics, _state
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEP_SHAPE = {
+    "grpo": {"num_prompts_per_step": 3, "num_generations_per_prompt": 3},  # 9 samples: shards of 5 and 4
+    "generation": {"max_new_tokens": 16},
+    "optim": {"train_global_batch_size": 3, "train_micro_batch_size": 3},  # 3 updates: the policy_logprobs task runs
+}
+
+
+def _cfg(root: Path, model: str, ranks: int):
+    return small_config(root, model, **STEP_SHAPE, policy={"nproc_per_node": ranks})
+
+
+def _set_advantages(cfg, run, meta) -> None:
+    """Fixed random per-sequence advantages, written over the task's column (the same write id: it replaces it)."""
+    from dataplane import fields as F
+    from dataplane.client import DataPlane
+    from dataplane.codec import to_nested_by_length
+
+    dp = DataPlane(cfg.dataplane.root, run.run_id)
+    batch = dp.read(meta, [F.TOKEN_MASK, F.INPUT_LENGTHS])
+    g = torch.Generator().manual_seed(int(meta.partition_id[-1]))
+    adv = torch.randn(meta.size(), 1, generator=g) * batch[F.TOKEN_MASK]  # [N, S]
+    dp.write_columns(meta, {F.ADVANTAGES: to_nested_by_length(adv, batch[F.INPUT_LENGTHS])}, task_name="advantages")
+
+
+def _attempts(task, drill: str | None, failures: list[str], **inputs):
+    """Call ``task``; with a fault drill, first an attempt in which that rank dies (recoverable, as Flyte sees it), then
+    the retry Flyte makes with the same inputs."""
+    from tasks.data_parallel import FAULT_DRILL_ENV
+
+    if drill is not None:
+        os.environ[FAULT_DRILL_ENV] = drill
+        try:
+            with pytest.raises(FlyteRecoverableException) as failed:
+                task(**inputs)
+        finally:
+            del os.environ[FAULT_DRILL_ENV]
+        failures.append(str(failed.value))
+    return task(**inputs)
+
+
+def _run(cfg, *, drills: dict | None = None, failures: list | None = None):
+    """Two GRPO steps, task by task. Returns the run, its final policy, and per step the logprob columns by sample id
+    and the weights the step saved."""
+    from dataplane import fields as F
+    from dataplane.client import DataPlane
+    from tasks.advantages import advantages
+    from tasks.logprobs import policy_logprobs, reference_logprobs
+    from tasks.rollout import rollout
+    from tasks.setup import start_run
+    from tasks.train import train
+    from tasks.types import PolicyVersion
+
+    drills, failures = drills or {}, failures if failures is not None else []
+    run = dataclasses.replace(start_run(cfg=cfg), run_id="run-dp-test")  # one id: sample ids hash it
+    policy = PolicyVersion(step=0, path=run.start_policy_path)
+    columns, weights = {}, {}
+    for step in (1, 2):
+        batch = rollout(cfg=cfg, run=run, policy=policy, step=step)
+        prev = _attempts(policy_logprobs, drills.get(("policy_logprobs", step)), failures, cfg=cfg, run=run, policy=policy, meta=batch)
+        ref = _attempts(reference_logprobs, drills.get(("reference_logprobs", step)), failures, cfg=cfg, run=run, meta=batch)
+        adv = advantages(cfg=cfg, run=run, meta=batch)
+        _set_advantages(cfg, run, adv)
+        dp = DataPlane(cfg.dataplane.root, run.run_id)
+        read = dp.read(batch.join(prev, ref), [F.PREV_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS], layout="jagged")
+        columns[step] = {k: dict(zip(batch.sample_ids, v.unbind(), strict=True)) for k, v in read.items()}
+        # the visible reference-logprob writes: one per rank, also after a retried attempt
+        columns[step]["ref_lp writes"] = sorted(c["write_id"] for c in dp._commits(dp._part(batch.partition_id)) if c["task_name"] == "ref_lp")
+        policy = _attempts(train, drills.get(("train", step)), failures, cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
+        weights[step] = _weights(policy)
+    return run, policy, columns, weights
+
+
+def _weights(policy) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(policy.path) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_model_dir):
+    cfg = _cfg(tmp_path_factory.mktemp("two"), tiny_model_dir, 2)
+    return cfg, *_run(cfg)
+
+
+def test_two_ranks_train_as_one_rank_and_log_the_same_metrics(tmp_path, tiny_model_dir, two_ranks):
+    """Step 1 is compared: both runs sample it from the same weights. Step 2's rollouts come from weights that differ
+    in the 7th digit (float32 sums in another order), which may flip a sampled token: it is only checked to be there."""
+    cfg2, run2, _, columns2, weights2 = two_ranks
+    cfg1 = _cfg(tmp_path, tiny_model_dir, 1)
+    run1, _, columns1, weights1 = _run(cfg1)
+
+    assert len(columns1[1]["ref_lp writes"]) == 1 and len(columns2[1]["ref_lp writes"]) == 2
+    # every rank's logprobs landed under their own sample ids: the same values as one rank's
+    for field in (F.PREV_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS):
+        by_id = columns1[1][field]
+        assert by_id.keys() == columns2[1][field].keys()
+        for sid, values in by_id.items():
+            torch.testing.assert_close(columns2[1][field][sid], values, atol=2e-6, rtol=0)
+
+    w0 = _weights(PolicyVersion(0, run1.start_policy_path))
+    moved = max(float((weights1[1][k] - w0[k]).abs().max()) for k in w0)
+    differs = max(float((weights1[1][k] - weights2[1][k]).abs().max()) for k in w0)
+    assert moved > 5e-4 and differs < 1e-5, (moved, differs)
+
+    m1, m2 = _metrics(cfg1.tracking.uri, run1.mlflow_run_id), _metrics(cfg2.tracking.uri, run2.mlflow_run_id)
+    assert sorted(m1) == sorted(m2)
+    for key, history in m1.items():
+        assert [s for s, _ in m2[key]] == [s for s, _ in history], key  # logged once per step, by rank 0 only
+        (_, a), (_, b) = history[0], m2[key][0]
+        if key in ("train/global_valid_toks", "train/total_num_tokens"):  # counts summed over the ranks: exact
+            assert a == b, key
+        elif key.startswith("train/") and not key.endswith(("_per_s", "generation_time_s")):
+            assert b == pytest.approx(a, rel=1e-4, abs=1e-6), key
+
+
+def test_a_rank_that_dies_fails_the_task_clearly_and_the_retry_ends_as_a_clean_run(tmp_path, tiny_model_dir, two_ranks):
+    clean_cfg, clean_run, clean_policy, clean_columns, _ = two_ranks
+    cfg = _cfg(tmp_path, tiny_model_dir, 2)
+    failures: list[str] = []
+    # rank 1 dies after its update of step 1 (rank 0 waits for it before saving), and after its reference-logprob
+    # write of step 2 (rank 0's write is then committed too: the retry replaces both)
+    drills = {("train", 1): "train:1", ("reference_logprobs", 2): "reference_logprobs:1"}
+    run, policy, columns, _ = _run(cfg, drills=drills, failures=failures)
+    assert len(columns[2]["ref_lp writes"]) == 2 and columns[2]["ref_lp writes"] == clean_columns[2]["ref_lp writes"]  # replaced
+
+    assert len(failures) == 2
+    assert failures[0].startswith("train: rank 1 of 2 (pid ") or "train: rank 1 of 2 (pid " in failures[0], failures[0]
+    assert "exited with code 86 without raising an error" in failures[0] and "Flyte retries the task" in failures[0]
+    assert "reference_logprobs: rank 1 of 2" in failures[1]
+
+    assert _state(cfg, run) == _state(clean_cfg, clean_run)  # checkpoints, data plane: the same bytes
+    a, b = _weights(policy), _weights(clean_policy)
+    assert all(a[k].equal(b[k]) for k in a)
+    clean, faulty = _metrics(clean_cfg.tracking.uri, clean_run.mlflow_run_id), _metrics(cfg.tracking.uri, run.mlflow_run_id)
+    assert sorted(clean) == sorted(faulty)
+    for key, history in faulty.items():
+        assert [s for s, _ in history] == [s for s, _ in clean[key]], key  # each step once
+        if not key.startswith("timing/") and not key.endswith(("_per_s", "generation_time_s")):
+            assert history == clean[key], key
+
+
+def test_a_rank_that_raises_fails_the_task_with_its_error(tmp_path, tiny_model_dir):
+    from dataplane.meta import KVBatchMeta
+    from tasks.logprobs import reference_logprobs
+    from tasks.setup import start_run
+
+    cfg = _cfg(tmp_path, tiny_model_dir, 2)
+    run = start_run(cfg=cfg)
+    meta = KVBatchMeta(partition_id="step_000009", sample_ids=["a", "b", "c"], sequence_lengths=[3, 4, 5])
+    with pytest.raises(Exception, match=r"reference_logprobs: rank [01] of 2 \(pid \d+\) failed: .*step_000009") as failed:
+        reference_logprobs(cfg=cfg, run=run, meta=meta)
+    assert not isinstance(failed.value, FlyteRecoverableException)  # an error that a retry would repeat
+
+
+def test_pyflyte_run_with_two_ranks(tmp_path, tiny_model_dir):
+    """The README's command, in a fresh process outside the repository: ``pyflyte run`` puts the code root on
+    sys.path only while it loads the workflow file, yet the spawned ranks must import the tasks' modules."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = _cfg(tmp_path, tiny_model_dir, 2)
+    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, max_num_steps=1, val_period=0))
+    env = {**os.environ, "FLYTE_LOCAL_CACHE_ENABLED": "false"}
+    env.pop("PYTHONPATH", None)
+    pyflyte = Path(sys.executable).with_name("pyflyte")
+    done = subprocess.run(
+        [str(pyflyte), "run", str(root / "workflows/grpo.py"), "grpo", "--cfg", json.dumps(cfg.to_dict())],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "[grpoflow] done: 1 steps" in done.stdout
