@@ -6,7 +6,7 @@
    as in `bench.agreement`), then `rl.backends.hf.train.train_on_batch` (float32, as `auto` picks on this CPU) with
    1 rank on all the cores, and with 2 gloo ranks (`torch.multiprocessing`, a file store) on half the cores each,
    each on its `dataplane.sharding.shard_updates_for_dp` shard. Inside the ranks: the update, and the gradient
-   all-reduce alone (`rl.distributed.all_reduce_gradients`, 540 MB of float32 gradients); also an all-gather of
+   all-reduce alone (`rl.distributed.all_reduce_gradients`, 513 MiB of float32 gradients); also an all-gather of
    the parameters, which FSDP2 would run before each micro-batch's forward and again before its backward. Medians
    of ``--repeats`` updates after one warm-up.
 2. **Step.** The `grpo` workflow through Flyte's local executor, the default config for ``--steps`` steps, with
@@ -204,11 +204,11 @@ def main() -> None:
     fsdp = two["all_gather_s"] * 2 * two["micro_batches"]
     lines += [
         "",
-        f"Gradients: {one['grad_mb']:.0f} MB of float32. One all-reduce per update (ours, as DDP without overlap): "
+        f"Gradients: {one['grad_mb']:.0f} MiB of float32. One all-reduce per update (ours, as DDP without overlap): "
         f"{two['all_reduce_s']:.2f} s, {100 * two['all_reduce_s'] / two['update_s']:.0f}% of the 2-rank update. FSDP2 would "
-        f"all-gather the parameters before every micro-batch's forward and backward ({two['micro_batches']} micro-batches "
-        f"per rank: about {fsdp:.2f} s more per update at the measured all-gather) to save the optimizer state's memory, "
-        "which a 135M model does not need.",
+        f"all-gather the parameters before every micro-batch's forward and again before its backward ({two['micro_batches']} "
+        f"micro-batches per rank: up to {fsdp:.2f} s per update at the measured all-gather, less the all-reduce its "
+        "reduce-scatter replaces) to shard the optimizer state, which a 135M model does not need.",
         "",
         "## Whole GRPO steps (`grpo` workflow, Flyte local executor)",
         "",

@@ -87,6 +87,6 @@ def shard_updates_for_dp(meta: KVBatchMeta, *, dp_world: int, rank: int, rows_pe
         raise ValueError(msg)
     parent = meta.stamp_pad_seqlen()
     pieces = [shard_meta_for_dp(parent.slice(g0, min(g0 + rows_per_update, parent.size())), dp_world=dp_world)[0][rank] for g0 in range(0, parent.size(), rows_per_update)]
-    if not pieces:
-        return parent.subset([]), []
+    if not pieces:  # an empty step: one empty update
+        return parent.subset([]), [0]
     return pieces[0].concat(*pieces[1:]), [p.size() for p in pieces]

@@ -1,8 +1,6 @@
-"""Data-parallel collectives for the train and logprob back-ends: the process group of a torchrun-style launch, the
-sums that make a sharded step equal to an unsharded one, and the gradient all-reduce. No Flyte.
-
-Without a process group (one rank) every function is the identity, so the single-process path runs the same code.
-"""
+"""Data-parallel collectives of the train and logprob back-ends: the process group of a torchrun-style launch, the
+sums that make a sharded step equal to an unsharded one, and the gradient all-reduce. No Flyte. Without a process
+group (one rank) every function is the identity, so the single-process path runs the same code."""
 
 from __future__ import annotations
 
@@ -56,7 +54,9 @@ def process_group(timeout_s: float = 1800.0) -> Iterator[int]:
     if size <= 1 or dist.is_initialized():
         yield world_size()
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL needs a GPU per local rank; with fewer (a workstation trying two ranks on one GPU) the ranks run on gloo
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -111,6 +111,17 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``obj`` itself without a process group): one decision for all ranks."""
+    import torch.distributed as dist
+
+    if not _group():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     """Wait until every rank is here."""
     import torch.distributed as dist
@@ -122,8 +133,8 @@ def barrier() -> None:
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     """Sum every parameter's gradient over the ranks, in place, in flat buckets of ``GRADIENT_BUCKET_BYTES``.
 
-    A parameter without a gradient (a rank that had no rows, or a parameter the forward did not use) takes part with
-    zeros, so the ranks' buckets line up. The loss is normalized by the global token and sequence counts (see
+    A parameter without a gradient on this rank (no rows here) takes part with zeros, so that the ranks' buckets
+    line up; one that no rank gave a gradient has none afterwards, as with one rank (AdamW skips it). The loss is normalized by the global token and sequence counts (see
     ``rl.loss.clipped_pg_loss``), so the sum, not the mean, of the ranks' gradients is the gradient of the whole
     batch: DDP's averaging would need the loss scaled by the world size (NeMo-RL's DTensor worker does so).
     Megatron-core's ``DistributedDataParallel`` with ``overlap_grad_reduce=False`` does the same reduction: once
@@ -132,6 +143,7 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     if not _group():
         return
     live = [p for p in params if p.requires_grad]
+    had = all_reduce(torch.tensor([p.grad is not None for p in live], dtype=torch.int32), op="max")  # [P]
     for p in live:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -148,6 +160,9 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
             bucket, size = [], 0
     if bucket:
         _reduce_bucket(bucket)
+    for p, used in zip(live, had.tolist(), strict=True):
+        if not used:
+            p.grad = None
 
 
 def _reduce_bucket(grads: list[torch.Tensor]) -> None:

@@ -129,11 +129,13 @@ def placed(cfg: GRPOConfig, task: Any, *, node_name: str | None = None) -> Calla
         if not isinstance(first, Promise) or FlyteContextManager.current_context().compilation_state is None:
             return out
         first.with_overrides(node_name=node_name, **overrides(cfg, role))
-        if cfg.policy.nnodes > 1 and hasattr(task, "task_config") and isinstance(task.task_config, DataParallel):
-            # several nodes: the node is a Kubeflow PyTorchJob of that many replicas (one node's ranks read the
-            # config at run time, tasks.data_parallel); the override replaces the task's config
-            nodes = DataParallel(nnodes=cfg.policy.nnodes, nproc_per_node=cfg.policy.nproc_per_node)
-            first.with_overrides(task_config=nodes)
+        if isinstance(getattr(task, "task_config", None), DataParallel):
+            # several nodes make the node a Kubeflow PyTorchJob of that many replicas (one node's ranks are read from the
+            # config when the task runs, tasks.data_parallel). flytekit applies this override to the task object
+            # itself, so it is set back as well when a config of one node follows one of several in this process.
+            nodes = DataParallel(nnodes=cfg.policy.nnodes, nproc_per_node=cfg.policy.nproc_per_node if cfg.policy.nnodes > 1 else 1)
+            if task.task_config != nodes:
+                first.with_overrides(task_config=nodes)
         return out
 
     return call

@@ -41,8 +41,9 @@ def startup_metric(task: str, since: float) -> dict[str, float]:
 
 
 def set_threads() -> None:
-    """torch's intra-op threads: ``GRPOFLOW_NUM_THREADS`` (unset: torch's default), shared out among the ranks a
-    data-parallel task runs on this node (torch elastic's ``LOCAL_WORLD_SIZE``), so that they do not oversubscribe it."""
+    """torch's intra-op threads: ``GRPOFLOW_NUM_THREADS`` shared out among the ranks a data-parallel task runs on this
+    node (torch elastic's ``LOCAL_WORLD_SIZE``), so that they do not oversubscribe it. Unset: torch's default, which
+    for ranks is 1 thread each (the launcher sets ``OMP_NUM_THREADS=1`` when it is unset, as torchrun does)."""
     import torch
 
     threads = int(os.environ.get("GRPOFLOW_NUM_THREADS", "0"))

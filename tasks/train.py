@@ -45,7 +45,7 @@ def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMe
     step = policy.step + 1
     lead = distributed.rank() == 0
     dp = runtime.dataplane(cfg, run)
-    finished = _finished_attempt(cfg, run, step)
+    finished = distributed.broadcast_object(_finished_attempt(cfg, run, step) if lead else None)  # one answer for all ranks
     if finished is not None:  # an earlier attempt saved, logged and maybe cleared, then died before returning
         from dataplane.urls import redact
 

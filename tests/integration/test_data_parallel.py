@@ -52,7 +52,8 @@ def _set_advantages(cfg, run, meta) -> None:
 
 def _attempts(task, drill: str | None, failures: list[str], **inputs):
     """Call ``task``; with a fault drill, first an attempt in which that rank dies (recoverable, as Flyte sees it), then
-    the retry Flyte makes with the same inputs."""
+    the retry Flyte makes with the same inputs. A failed train attempt must not have saved the step."""
+    from tasks import saving
     from tasks.data_parallel import FAULT_DRILL_ENV
 
     if drill is not None:
@@ -63,6 +64,8 @@ def _attempts(task, drill: str | None, failures: list[str], **inputs):
         finally:
             del os.environ[FAULT_DRILL_ENV]
         failures.append(str(failed.value))
+        if drill.startswith("train:"):  # rank 0 waited for the dead rank at the barrier: nothing was committed
+            assert saving.saved_version(inputs["cfg"], inputs["run"], inputs["policy"].step + 1) is None
     return task(**inputs)
 
 
@@ -152,9 +155,10 @@ def test_a_rank_that_dies_fails_the_task_clearly_and_the_retry_ends_as_a_clean_r
     assert len(columns[2]["ref_lp writes"]) == 2 and columns[2]["ref_lp writes"] == clean_columns[2]["ref_lp writes"]  # replaced
 
     assert len(failures) == 2
-    assert failures[0].startswith("train: rank 1 of 2 (pid ") or "train: rank 1 of 2 (pid " in failures[0], failures[0]
-    assert "exited with code 86 without raising an error" in failures[0] and "Flyte retries the task" in failures[0]
-    assert "reference_logprobs: rank 1 of 2" in failures[1]
+    for task, message in zip(("train", "reference_logprobs"), failures, strict=True):
+        # the rank that died is named, not the survivor whose collective then failed (tasks.data_parallel._ranked)
+        assert f"error={task}: rank 1 of 2 (pid " in message, message
+        assert "exited with code 86 without raising an error" in message and "Flyte retries the task" in message
 
     assert _state(cfg, run) == _state(clean_cfg, clean_run)  # checkpoints, data plane: the same bytes
     a, b = _weights(policy), _weights(clean_policy)

@@ -192,7 +192,8 @@ def train_on_batch(
             global_toks, global_seqs = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            # micro-batches in row order: a rollout's groups stay together and share their prompt's forward
+            # micro-batches in row order: a rollout's groups stay together and share their prompt's forward (within a
+            # rank's shard: token-balanced sharding spreads a group over the ranks)
             # (rl.backends.hf.logprobs.forward_logprobs); the global normalization makes the split irrelevant to the update
             # autocast: weights are cast to bf16 once per update, not per micro-batch
             with autocast(model, cfg.model.precision), _embedding_grads_by_row(model):
@@ -213,13 +214,20 @@ def train_on_batch(
             losses.append(step_loss)
         model.eval()
     optimizer.zero_grad(set_to_none=True)
-    kept = int(td["sample_mask"].bool().sum())
-    ranks = distributed.gather_objects((totals, losses, torch.cat(seq_errors) if seq_errors else torch.zeros(0), n - kept))
-    totals = {}
-    for part, *_ in ranks:  # rank order: the same sums on every rank
+    local = (totals, losses, torch.cat(seq_errors) if seq_errors else torch.zeros(0), n - int(td["sample_mask"].bool().sum()))
+    metrics = _step_metrics(distributed.gather_objects(local), masking=threshold is not None)
+    metrics.update(grad_norm=sum(norms) / len(norms), lr=float(scheduler.get_last_lr()[0]))
+    return metrics
+
+
+def _step_metrics(ranks: list[tuple[dict[str, float], list[float], torch.Tensor, int]], *, masking: bool) -> dict[str, float]:
+    """The step's metrics from every rank's ``(metric sums, loss per update, [valid n] sequence errors, masked rows)``,
+    in rank order: sums over all ranks' tokens divided by the global valid tokens, never a mean of rank means."""
+    totals: dict[str, float] = {}
+    for part, *_ in ranks:
         for k, v in part.items():
             totals[k] = totals.get(k, 0.0) + v
-    losses = [sum(r[1][g] for r in ranks) for g in range(len(losses))]
+    losses = [sum(r[1][g] for r in ranks) for g in range(len(ranks[0][1]))]  # each update's loss: globally normalized
     errors = torch.cat([r[2] for r in ranks])
     errors = errors if errors.numel() else torch.ones(1)
     toks = max(totals.pop("valid_toks", 0.0), 1.0)
@@ -228,10 +236,9 @@ def train_on_batch(
         max_seq_mult_prob_error=float(errors.max()),
         mean_seq_mult_prob_error=float(errors.mean()),
         min_seq_mult_prob_error=float(errors.min()),
-        num_masked_by_seq_logprob_error=float(sum(r[3] for r in ranks)) if threshold is not None else 0.0,
+        num_masked_by_seq_logprob_error=float(sum(r[3] for r in ranks)) if masking else 0.0,
         loss=sum(losses) / len(losses),
-        grad_norm=sum(norms) / len(norms),
-        lr=float(scheduler.get_last_lr()[0]),
         global_valid_toks=toks,
     )
     return metrics
+

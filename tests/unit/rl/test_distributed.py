@@ -7,7 +7,6 @@ real tokenizer keeps each under a few seconds.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -19,8 +18,10 @@ from rl.config import config_from_dict
 LENGTHS = [5, 40, 7, 33, 6, 21, 9]
 """Seven rows (odd: the ranks get 4 and 3) of very different lengths."""
 PROMPT = 4
-ROWS_PER_UPDATE = 4
-"""Two optimizer updates per step: rows 0-3, then 4-6."""
+ROWS_PER_UPDATE = 3
+"""Three optimizer updates per step: rows 0-2, 3-5, then row 6 alone (one rank has no rows in it)."""
+
+pytestmark = pytest.mark.slow  # real processes: a few seconds
 
 
 def _cfg():
@@ -92,8 +93,9 @@ def two_ranks(tiny_model_dir, tmp_path_factory) -> list[tuple[dict[str, torch.Te
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("ranks")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_rank_main, args=(2, str(out / "store"), tiny_model_dir, str(out)), nprocs=2, join=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        mp.spawn(_rank_main, args=(2, str(out / "store"), tiny_model_dir, str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -132,9 +134,10 @@ def test_each_update_is_split_across_ranks_token_balanced():
             start = sum(sizes[:g])
             got |= {int(i[1:]) for i in shard.sample_ids[start : start + sizes[g]]}
         assert got == rows
-    # the first update's tokens (5, 40, 7, 33): 40+5 | 33+7 beats any other split
+    # the first update's tokens (5, 40, 7): the longest alone, the two short ones together
     first = [sorted(LENGTHS[int(i[1:])] for i in shard.sample_ids[: sizes[0]]) for shard, sizes in shards]
-    assert sorted(first) == [[5, 40], [7, 33]]
+    assert sorted(first) == [[5, 7], [40]]
+    assert sorted(sizes[2] for _, sizes in shards) == [0, 1]  # the last update's single row: one rank has none
     # every shard pads to the step's one sequence length
     assert {shard.global_forward_pad_seqlen() for shard, _ in shards} == {40}
 
