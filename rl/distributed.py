@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 GRADIENT_BUCKET_BYTES = 64 * 2**20
 """Gradients are summed in flat buckets of this size: one collective per bucket instead of one per parameter
@@ -18,22 +19,16 @@ GRADIENT_BUCKET_BYTES = 64 * 2**20
 
 
 def _group() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
     """This process's global rank (0 without a process group)."""
-    import torch.distributed as dist
-
     return dist.get_rank() if _group() else 0
 
 
 def world_size() -> int:
     """Ranks in the process group (1 without one)."""
-    import torch.distributed as dist
-
     return dist.get_world_size() if _group() else 1
 
 
@@ -41,15 +36,13 @@ def world_size() -> int:
 def process_group(timeout_s: float = 1800.0) -> Iterator[int]:
     """Join the process group a torchrun-style launcher describes (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``,
     ``MASTER_PORT`` in the environment; set by ``torch.distributed.elastic`` and flytekitplugins-kfpytorch), on NCCL
-    where CUDA is present, else gloo; leave it on exit. Yields the world size. Without ``WORLD_SIZE`` > 1, or inside
+    where every local rank has a GPU, else gloo; leave it on exit. Yields the world size. Without ``WORLD_SIZE`` > 1, or inside
     a group already joined, it does nothing.
 
     Args:
         timeout_s: how long a collective waits for the other ranks before it raises (a rank that died leaves the
             others waiting; the launcher usually kills them sooner).
     """
-    import torch.distributed as dist
-
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1 or dist.is_initialized():
         yield world_size()
@@ -68,16 +61,12 @@ def process_group(timeout_s: float = 1800.0) -> Iterator[int]:
 
 def _device() -> torch.device:
     """Where the group's collectives run: the current GPU under NCCL, else the CPU (gloo)."""
-    import torch.distributed as dist
-
     return torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" else torch.device("cpu")
 
 
 def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """``values`` reduced elementwise over the ranks (``sum``, ``max`` or ``min``); a new tensor on ``values``'s
     device, in float64 for float inputs so that sums of counts and of metric sums stay exact."""
-    import torch.distributed as dist
-
     out = values.detach().to(torch.float64 if values.is_floating_point() else values.dtype).clone()
     if not _group():
         return out
@@ -102,8 +91,6 @@ def sum_scalars(values: dict[str, float]) -> dict[str, float]:
 
 def gather_objects(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
-    import torch.distributed as dist
-
     if not _group():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -113,8 +100,6 @@ def gather_objects(obj: Any) -> list[Any]:
 
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (``obj`` itself without a process group): one decision for all ranks."""
-    import torch.distributed as dist
-
     if not _group():
         return obj
     box = [obj]
@@ -124,8 +109,6 @@ def broadcast_object(obj: Any) -> Any:
 
 def barrier() -> None:
     """Wait until every rank is here."""
-    import torch.distributed as dist
-
     if _group():
         dist.barrier()
 
@@ -166,8 +149,6 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
 
 
 def _reduce_bucket(grads: list[torch.Tensor]) -> None:
-    import torch.distributed as dist
-
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     offset = 0
