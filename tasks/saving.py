@@ -11,6 +11,11 @@ def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
     return step % cfg.checkpointing.checkpoint_period == 0 or step == cfg.grpo.max_num_steps
 
 
+def saves_trainer_state(cfg: GRPOConfig, run: RunInfo, step: int) -> bool:
+    """Whether :func:`save_policy` saves the trainer state (optimizer, scheduler, RNG) with the weights of ``step``."""
+    return checkpoint_due(cfg, step) or run.cold_tasks
+
+
 def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, started_from: PolicyVersion) -> PolicyVersion:
     """Save the weights of ``backend.weight_version``: with trainer state under ``checkpoints/`` when due (keeping the
     newest ``keep_last_k``), otherwise under ``weights/`` (keeping the newest one), with the trainer state too when

@@ -27,12 +27,18 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     execution = current_context().execution_id
     local = execution.name == "local"  # every local execution has this id; a remote one is unique
     # tasks run cold in pods, and locally too with data-parallel ranks: each train task spawns new rank processes
-    cold = not local or cfg.policy.data_parallel_size > 1
+    cold = not local or cfg.policy.world_size > 1
     if local:  # every task runs here: a back-end that cannot be imported fails now, not at step 1 (remote tasks
         # import theirs in their own images)
         check_installed("generation", cfg.generation.backend)
         check_installed("policy", cfg.policy.backend)
     model_path = resolve_model(cfg.model.name)
+    if cfg.policy.backend == "megatron":  # the model's shapes against the parallel sizes, before any GPU task starts
+        from transformers import AutoConfig
+
+        from rl.backends.megatron.model import check_model
+
+        check_model(AutoConfig.from_pretrained(model_path), cfg.policy.megatron_cfg)
     d = cfg.data
     train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=1)
     if cfg.grpo.val_period or cfg.grpo.val_at_start:

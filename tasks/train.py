@@ -61,6 +61,7 @@ def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMe
         metrics = backend.train_from_meta(meta, dp, fields=wanted, rows_per_update=cfg.global_batch_size)
         trained = time.time()
         fault_drill("train")
+        backend.prepare_checkpoint(with_trainer_state=saving.saves_trainer_state(cfg, run, step))  # model-parallel shards to rank 0
         distributed.barrier()  # rank 0 commits the step only once every rank has finished it
         if not lead:
             return policy  # rank 0's result is the task's; the others' is dropped

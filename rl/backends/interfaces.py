@@ -218,6 +218,23 @@ class PolicyBackend(abc.ABC):
     def shutdown(self) -> bool:
         """Release models and optimizer state; True when done."""
 
+    # ------------------------------------------------------------ ranks (rl.distributed)
+    def data_parallel(self) -> tuple[int, int]:
+        """``(rank, size)`` of this process among the data-parallel replicas, each of which reads its own shard of a
+        step. Every rank is a replica unless the back-end splits the model over several ranks (Megatron-core's
+        tensor, pipeline and context parallelism: those ranks share one shard)."""
+        from rl import distributed
+
+        return distributed.rank(), distributed.world_size()
+
+    def writes_outputs(self) -> bool:
+        """Whether this rank writes its replica's logprobs and counts its tokens: one rank per replica."""
+        return True
+
+    def prepare_checkpoint(self, *, with_trainer_state: bool) -> None:
+        """Collective, called by every rank after :meth:`train` and before rank 0 calls :meth:`save_checkpoint` or
+        :meth:`named_weights`: bring what those need onto rank 0. Nothing to do where rank 0 holds the whole model."""
+
     # ------------------------------------------------------------ the data-plane entry points (tq_policy)
     def get_logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane) -> KVBatchMeta:
         """Read ``LP_SEED_FIELDS`` of ``meta``, write ``prev_logprobs`` back as a delta column; returns the new meta."""
@@ -252,33 +269,37 @@ class PolicyBackend(abc.ABC):
         from dataplane.sharding import shard_updates_for_dp
         from rl import distributed
 
-        shard, update_sizes = shard_updates_for_dp(meta, dp_world=distributed.world_size(), rank=distributed.rank(), rows_per_update=rows_per_update or meta.size())
+        dp_rank, dp_size = self.data_parallel()
+        shard, update_sizes = shard_updates_for_dp(meta, dp_world=dp_size, rank=dp_rank, rows_per_update=rows_per_update or meta.size())
         batch = dataplane.read_batch(shard, list(fields), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
         self.prepare_for_training()
         try:
             metrics = self.train(batch, update_sizes=update_sizes)
         finally:
             self.finish_training()
-        tokens = distributed.sum_scalars({"total_num_tokens": float(batch[F.INPUT_LENGTHS].sum())})
+        tokens = distributed.sum_scalars({"total_num_tokens": float(batch[F.INPUT_LENGTHS].sum()) if self.writes_outputs() else 0.0})
         return {**metrics, **tokens}
 
     def _logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane, compute: Any, field: str, task_name: str) -> KVBatchMeta:
         """This rank's token-balanced shard of ``meta`` (``dataplane.sharding.shard_meta_for_dp``), read padded to the
         step's ``global_forward_pad_seqlen``, goes through ``compute``; the rank writes its rows' ``field`` under
         their own sample ids in one delta write (its id hashes the field and those ids, so a retried task replaces
-        it). Every rank waits for all writes before the meta naming ``field`` is returned."""
+        it). Ranks that share a replica's shard (:meth:`data_parallel`) all compute, and one of them
+        (:meth:`writes_outputs`) writes. Every rank waits for all writes before the meta naming ``field`` is returned."""
         from dataplane import fields as F
         from dataplane.codec import to_nested_by_length
         from dataplane.sharding import shard_meta_for_dp
         from rl import distributed
 
-        shard = shard_meta_for_dp(meta, dp_world=distributed.world_size())[0][distributed.rank()]
+        dp_rank, dp_size = self.data_parallel()
+        shard = shard_meta_for_dp(meta, dp_world=dp_size)[0][dp_rank]
         if shard.size():
             batch = dataplane.read_batch(shard, list(F.LP_SEED_FIELDS), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
             logprobs = compute(batch)  # [n, S]
-            if logprobs.shape != batch[F.INPUT_IDS].shape:
-                msg = f"{self.name} back-end returned logprobs of shape {tuple(logprobs.shape)} for input_ids {tuple(batch[F.INPUT_IDS].shape)}"
-                raise RuntimeError(msg)
-            dataplane.write_columns(shard, {field: to_nested_by_length(logprobs, batch[F.INPUT_LENGTHS])}, task_name=task_name)
+            if self.writes_outputs():
+                if logprobs.shape != batch[F.INPUT_IDS].shape:
+                    msg = f"{self.name} back-end returned logprobs of shape {tuple(logprobs.shape)} for input_ids {tuple(batch[F.INPUT_IDS].shape)}"
+                    raise RuntimeError(msg)
+                dataplane.write_columns(shard, {field: to_nested_by_length(logprobs, batch[F.INPUT_LENGTHS])}, task_name=task_name)
         distributed.barrier()
         return dataclasses.replace(meta, fields=list(dict.fromkeys([*(meta.fields or []), field])), task_name=task_name)

@@ -19,6 +19,8 @@ class BackendSpec:
     """Top-level packages that must be importable."""
     install: str
     """How to install them."""
+    needs_cuda: bool = False
+    """Runs only on a CUDA GPU."""
 
 
 GENERATION_BACKENDS: dict[str, BackendSpec] = {
@@ -33,6 +35,12 @@ GENERATION_BACKENDS: dict[str, BackendSpec] = {
 
 POLICY_BACKENDS: dict[str, BackendSpec] = {
     "transformers": BackendSpec("rl.backends.hf.policy:HFPolicy", ("transformers",), "pip install -e ."),
+    "megatron": BackendSpec(
+        "rl.backends.megatron.policy:MegatronPolicy",
+        ("megatron.core", "transformers"),
+        "pip install -e '.[megatron]' (megatron-core 0.17 on Python >= 3.12, 0.16.1 before)",
+        needs_cuda=True,
+    ),
 }
 """``policy.backend`` names."""
 
@@ -54,20 +62,37 @@ def check_name(role: str, name: str) -> None:
 def missing_packages(role: str, name: str) -> list[str]:
     """Packages the back-end needs that are not installed here (empty when it can be imported)."""
     check_name(role, name)
-    return [p for p in _ROLES[role][name].requires if importlib.util.find_spec(p) is None]
+    return [p for p in _ROLES[role][name].requires if not _importable(p)]
+
+
+def _importable(module: str) -> bool:
+    top, _, rest = module.partition(".")
+    return importlib.util.find_spec(top) is not None and (not rest or importlib.util.find_spec(module) is not None)
 
 
 def check_installed(role: str, name: str) -> None:
-    """Raise when back-end ``name`` of ``role`` cannot be imported in this environment.
+    """Raise when back-end ``name`` of ``role`` cannot run in this environment.
 
     Raises:
         ValueError: unknown name.
         ImportError: a package it needs is missing; the message names the install command.
+        RuntimeError: it needs a CUDA GPU and there is none.
     """
     missing = missing_packages(role, name)
+    spec = _ROLES[role][name]
     if missing:
-        msg = f"{role}.backend {name!r} needs {', '.join(missing)}, which is not installed here: {_ROLES[role][name].install}"
+        msg = f"{role}.backend {name!r} needs {', '.join(missing)}, which is not installed here: {spec.install}"
         raise ImportError(msg)
+    if spec.needs_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            msg = (
+                f"{role}.backend {name!r} needs a CUDA GPU and this machine has none (torch {torch.__version__}): megatron-core's "
+                "GPT model calls CUDA in its rotary embedding and RNG tracker. Use policy.backend 'transformers' on CPU, or run "
+                "the model tasks on GPUs (resources.train.gpu)"
+            )
+            raise RuntimeError(msg)
 
 
 def load(role: str, name: str) -> type:

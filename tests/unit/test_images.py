@@ -32,13 +32,16 @@ PYTHON_REQUIRED = {"megatron-core": [(Version("0.17"), SpecifierSet(">=3.12"))]}
 
 
 def _constraints() -> dict[str, str]:
-    """constraints.txt as normalized name -> pinned version."""
+    """constraints.txt as normalized name -> pinned version, for the images' Python (a line whose environment marker
+    excludes it, such as megatron-core's pin for Python < 3.12, is left out)."""
     out: dict[str, str] = {}
     for raw in (ROOT / "constraints.txt").read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"python_version": images.PYTHON_VERSION}):
+            continue
         (spec,) = req.specifier  # every line pins one version
         assert spec.operator == "==", line
         out[canonicalize_name(req.name)] = spec.version
@@ -64,6 +67,7 @@ def test_constraints_parse_to_the_expected_pins():
     assert pins["torch"] == "2.13.0"
     assert pins["reasoning-gym"] == "0.1.25"  # written reasoning_gym: normalized
     assert pins["huggingface-hub"] == "2.4.0"
+    assert pins["megatron-core"] == "0.17.0"  # the images' Python 3.12: the 0.16.1 line is for Python < 3.12
     assert set(map(canonicalize_name, RUNTIME)) <= set(pins)
 
 

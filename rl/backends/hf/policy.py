@@ -70,12 +70,8 @@ class HFPolicy(PolicyBackend):
         from rl.backends.hf.train import make_optimizer
 
         so = self._cfg.dataplane.storage_options
-        if with_optimizer and version.step != 0 and not checkpoint.has_trainer_state(version.path, so):
-            msg = (
-                f"no optimizer state for step {version.step} at {version.path}: it holds weights only. Tasks that run "
-                "in separate processes (a remote cluster) need checkpointing.checkpoint_period: 1"
-            )
-            raise RuntimeError(msg)
+        if with_optimizer:
+            checkpoint.require_trainer_state(version.path, version.step, so)
         folder = checkpoint.local_copy(version.path, so, require_complete=version.step > 0)
         if self._model is None or self._version != version.step:
             self._model = load_model(folder)

@@ -12,7 +12,7 @@ import torch
 from rl.config import GRPOConfig
 from rl.backends.hf.logprobs import forward_logprobs
 from rl.filters import seq_mult_prob_error
-from rl.loss import LossInputs, clipped_pg_loss, loss_mask
+from rl.loss import LossInputs, clipped_pg_loss_with, loss_mask
 from rl.precision import autocast
 
 
@@ -41,27 +41,16 @@ def _micro_batch_loss(
         token_mask=cut["token_mask"],
     )  # [m, S]
     prev = cut["prev_logprobs"] if "prev_logprobs" in cut else logprobs.detach()  # [m, S]
-    loss, sums = clipped_pg_loss(
-        LossInputs(
-            logprobs=logprobs,
-            prev_logprobs=prev,
-            reference_policy_logprobs=cut["reference_policy_logprobs"],
-            generation_logprobs=cut["generation_logprobs"],
-            advantages=cut["advantages"],
-            token_mask=cut["token_mask"],
-            sample_mask=cut["sample_mask"],
-        ),
-        ratio_clip_min=cfg.loss.ratio_clip_min,
-        ratio_clip_max=cfg.loss.ratio_clip_max,
-        ratio_clip_c=cfg.loss.ratio_clip_c,
-        reference_policy_kl_penalty=cfg.loss.reference_policy_kl_penalty,
-        reference_policy_kl_type=cfg.loss.reference_policy_kl_type,
-        token_level_loss=cfg.loss.token_level_loss,
-        global_valid_toks=global_toks,
-        global_valid_seqs=global_seqs,
-        use_importance_sampling_correction=cfg.loss.use_importance_sampling_correction,
-        truncated_importance_sampling_ratio=cfg.loss.truncated_importance_sampling_ratio,
+    inputs = LossInputs(
+        logprobs=logprobs,
+        prev_logprobs=prev,
+        reference_policy_logprobs=cut["reference_policy_logprobs"],
+        generation_logprobs=cut["generation_logprobs"],
+        advantages=cut["advantages"],
+        token_mask=cut["token_mask"],
+        sample_mask=cut["sample_mask"],
     )
+    loss, sums = clipped_pg_loss_with(inputs, cfg.loss, global_valid_toks=global_toks, global_valid_seqs=global_seqs)
     errors = seq_mult_prob_error(cut["generation_logprobs"], prev, cut["token_mask"])  # [m]
     return loss, sums, errors[cut["sample_mask"].bool()]
 
@@ -215,12 +204,12 @@ def train_on_batch(
         model.eval()
     optimizer.zero_grad(set_to_none=True)
     local = (totals, losses, torch.cat(seq_errors) if seq_errors else torch.zeros(0), n - int(td["sample_mask"].bool().sum()))
-    metrics = _step_metrics(distributed.gather_objects(local), masking=threshold is not None)
+    metrics = combine_step_metrics(distributed.gather_objects(local), masking=threshold is not None)
     metrics.update(grad_norm=sum(norms) / len(norms), lr=float(scheduler.get_last_lr()[0]))
     return metrics
 
 
-def _step_metrics(ranks: list[tuple[dict[str, float], list[float], torch.Tensor, int]], *, masking: bool) -> dict[str, float]:
+def combine_step_metrics(ranks: list[tuple[dict[str, float], list[float], torch.Tensor, int]], *, masking: bool) -> dict[str, float]:
     """The step's metrics from every rank's ``(metric sums, loss per update, [valid n] sequence errors, masked rows)``,
     in rank order: sums over all ranks' tokens divided by the global valid tokens, never a mean of rank means."""
     totals: dict[str, float] = {}

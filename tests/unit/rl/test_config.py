@@ -26,7 +26,19 @@ def test_defaults_are_valid_and_json_safe():
         ("optim", {"train_global_batch_size": 12, "train_micro_batch_size": 8}, "multiple"),
         ("generation", {"temperature": 0}, "temperature"),
         ("generation", {"backend": "sglang"}, r"'sglang' is not a generation back-end; use one of \['transformers', 'vllm'\]"),
-        ("policy", {"backend": "megatron"}, r"'megatron' is not a policy back-end; use one of \['transformers'\]"),
+        ("policy", {"backend": "deepspeed"}, r"'deepspeed' is not a policy back-end; use one of \['megatron', 'transformers'\]"),
+        ("policy", {"megatron_cfg": {"tensor_model_parallel_size": 0}}, r"policy.megatron_cfg.tensor_model_parallel_size: is 0; use 1 or more"),
+        ("policy", {"megatron_cfg": {"sequence_parallel": True}}, r"sequence_parallel: is true with tensor_model_parallel_size 1; set tensor_model_parallel_size above 1"),
+        (
+            "policy",
+            {"nproc_per_node": 2, "megatron_cfg": {"tensor_model_parallel_size": 2}},
+            r"policy.megatron_cfg: asks for 2 model-parallel ranks but policy.backend is 'transformers'; set policy.backend to 'megatron'",
+        ),
+        (
+            "policy",
+            {"backend": "megatron", "nproc_per_node": 4, "megatron_cfg": {"tensor_model_parallel_size": 3}},
+            r"tensor x pipeline x context parallel sizes = 3 ranks do not divide the 4 ranks of policy.nnodes x nproc_per_node",
+        ),
         ("generation", {"vllm_cfg": {"gpu_memory_utilization": 1.5}}, r"vllm_cfg.gpu_memory_utilization: is 1.5"),
         ("generation", {"backend": "vllm", "max_new_tokens": 64, "vllm_cfg": {"max_model_len": 64}}, "raise vllm_cfg.max_model_len"),
         ("grpo", {"dynamic_sampling_max_gen_batches": 0}, "at least 1"),
@@ -41,6 +53,16 @@ def test_defaults_are_valid_and_json_safe():
 def test_bad_values_fail_with_a_fix(section, values, match):
     with pytest.raises(ValueError, match=match):
         config_from_dict({section: values})
+
+
+def test_megatron_sizes_split_the_ranks_of_a_task():
+    cfg = config_from_dict(
+        {"policy": {"backend": "megatron", "nnodes": 2, "nproc_per_node": 8, "megatron_cfg": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}}
+    )
+    assert (cfg.policy.world_size, cfg.policy.megatron_cfg.model_parallel_size, cfg.policy.data_parallel_size) == (16, 4, 4)
+    assert config_from_dict({"policy": {"nproc_per_node": 2}}).policy.data_parallel_size == 2  # transformers: every rank a replica
+    with pytest.raises(ValueError, match=r"loss.token_level_loss: is false with policy.megatron_cfg.context_parallel_size > 1; use the token-level loss"):
+        config_from_dict({"policy": {"backend": "megatron", "nproc_per_node": 2, "megatron_cfg": {"context_parallel_size": 2}}, "loss": {"token_level_loss": False}})
 
 
 def test_global_batch_must_divide_step():

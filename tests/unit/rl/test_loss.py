@@ -203,3 +203,22 @@ def test_vectorized_loss_matches_loop(kl_type, token_level, off_policy):
     ref = _loss_loop_reference(b, clip_min=0.2, clip_max=0.28, c=3.0, beta=0.05, kl_type=kl_type, token_level=token_level,
                                is_corr=off_policy, tis=tis, toks=17.0, seqs=5.0)
     assert loss.item() == pytest.approx(ref, abs=1e-12)
+
+
+def test_the_config_section_reaches_every_setting_of_the_loss():
+    from rl.config import LossConfig
+    from rl.loss import clipped_pg_loss_with
+
+    cfg = LossConfig(
+        reference_policy_kl_penalty=0.3, reference_policy_kl_type="k1", ratio_clip_min=0.1, ratio_clip_max=0.3, ratio_clip_c=3.0,
+        token_level_loss=False, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5,
+    )
+    b = _batch([[0.0, -1.0, -2.0, -0.5]], [[0.0, -1.5, -1.0, -0.7]], [[0.0, -2.0, -2.0, 1.0]], ref=[[0.0, -0.5, -2.5, -0.1]])
+    b = LossInputs(**{**b.__dict__, "generation_logprobs": b.prev_logprobs - 0.4})
+    got = clipped_pg_loss_with(b, cfg, global_valid_toks=3, global_valid_seqs=1)
+    want = clipped_pg_loss(
+        b, ratio_clip_min=0.1, ratio_clip_max=0.3, ratio_clip_c=3.0, reference_policy_kl_penalty=0.3, reference_policy_kl_type="k1",
+        token_level_loss=False, global_valid_toks=3, global_valid_seqs=1, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5,
+    )
+    assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+    assert not torch.equal(got[0], clipped_pg_loss(b, **DEFAULTS, global_valid_toks=3, global_valid_seqs=1)[0])  # the settings matter here

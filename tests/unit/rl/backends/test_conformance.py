@@ -14,9 +14,14 @@ from rl.config import config_from_dict
 
 
 def _installed(table: dict, role: str) -> list:
+    """Every back-end of ``role``: skipped when not installed; those that need CUDA are marked ``gpu``."""
     return [
-        pytest.param(name, marks=pytest.mark.skipif(bool(registry.missing_packages(role, name)), reason=f"{name} is not installed"))
-        for name in table
+        pytest.param(
+            name,
+            marks=[pytest.mark.skipif(bool(registry.missing_packages(role, name)), reason=f"{name} is not installed")]
+            + ([pytest.mark.gpu] if spec.needs_cuda else []),
+        )
+        for name, spec in table.items()
     ]
 
 

@@ -1,0 +1,1 @@
+"""The Megatron-core policy back-end."""
