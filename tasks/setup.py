@@ -39,6 +39,9 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
         from rl.backends.megatron.model import check_model
 
         check_model(AutoConfig.from_pretrained(model_path), cfg.policy.megatron_cfg)
+        if not local and cfg.resources.train.gpu < 1:
+            msg = "config resources.train.gpu: is 0 but policy.backend 'megatron' runs only on CUDA GPUs; set it to policy.nproc_per_node"
+            raise ValueError(msg)
     d = cfg.data
     train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=1)
     if cfg.grpo.val_period or cfg.grpo.val_at_start:

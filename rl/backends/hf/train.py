@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -116,6 +117,35 @@ def _reproducible_accumulation() -> Iterator[None]:
         det.fill_uninitialized_memory = before[2]
 
 
+def step_batch(batch: Mapping[str, torch.Tensor], cfg: GRPOConfig, update_sizes: Sequence[int] | None) -> tuple[Any, list[int]]:
+    """A step's batch ready for its updates (every policy back-end's ``train`` starts here): a ``TensorDict`` copy of
+    ``batch`` whose ``sample_mask`` also masks the sequences over ``loss.seq_logprob_error_threshold`` (NeMo-RL
+    grpo_sync), and the rows of each update (``optim.train_global_batch_size`` rows each when ``update_sizes`` is None).
+
+    Raises:
+        ValueError: ``update_sizes`` do not add up to the batch's rows, or several updates without ``prev_logprobs``.
+    """
+    from tensordict import TensorDict
+
+    td = batch if isinstance(batch, TensorDict) else TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]])
+    td = td.clone(recurse=False)  # sample_mask may be replaced below: not in the caller's batch
+    n = int(td.batch_size[0])
+    if update_sizes is None:
+        gbs = max(min(cfg.optim.train_global_batch_size or n, n), 1)
+        update_sizes = [min(gbs, n - g0) for g0 in range(0, n, gbs)] or [0]
+    if sum(update_sizes) != n:
+        msg = f"update_sizes {list(update_sizes)} add up to {sum(update_sizes)} rows, but the batch has {n}"
+        raise ValueError(msg)
+    if "prev_logprobs" not in td.keys() and len(update_sizes) != 1:
+        msg = "prev_logprobs are missing but the step makes several optimizer updates; compute them (policy_logprobs)"
+        raise ValueError(msg)
+    threshold = cfg.loss.seq_logprob_error_threshold
+    if threshold is not None:  # mask sequences whose generation logprobs disagree with pi_old (NeMo-RL grpo_sync)
+        err = seq_mult_prob_error(td["generation_logprobs"], td["prev_logprobs"], td["token_mask"])  # [n]
+        td["sample_mask"] = td["sample_mask"].bool() & (err <= threshold)
+    return td, list(update_sizes)
+
+
 def train_on_batch(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -149,30 +179,15 @@ def train_on_batch(
     Raises:
         ValueError: ``update_sizes`` do not add up to the batch's rows, or several updates without ``prev_logprobs``.
     """
-    from tensordict import TensorDict
-
     from rl import distributed
 
-    td = batch if isinstance(batch, TensorDict) else TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]])
-    td = td.clone(recurse=False)  # sample_mask may be replaced below: not in the caller's batch
+    td, update_sizes = step_batch(batch, cfg, update_sizes)
     n = int(td.batch_size[0])
-    if update_sizes is None:
-        gbs = max(min(cfg.optim.train_global_batch_size or n, n), 1)
-        update_sizes = [min(gbs, n - g0) for g0 in range(0, n, gbs)] or [0]
-    if sum(update_sizes) != n:
-        msg = f"update_sizes {list(update_sizes)} add up to {sum(update_sizes)} rows, but the batch has {n}"
-        raise ValueError(msg)
-    if "prev_logprobs" not in td.keys() and len(update_sizes) != 1:
-        msg = "prev_logprobs are missing but the step makes several optimizer updates; compute them (policy_logprobs)"
-        raise ValueError(msg)
     mbs = cfg.optim.train_micro_batch_size
     device = next(model.parameters()).device
     totals: dict[str, float] = {}
     losses, norms, seq_errors = [], [], []
     threshold = cfg.loss.seq_logprob_error_threshold
-    if threshold is not None:  # mask sequences whose generation logprobs disagree with pi_old (NeMo-RL grpo_sync)
-        err = seq_mult_prob_error(td["generation_logprobs"], td["prev_logprobs"], td["token_mask"])  # [n]
-        td["sample_mask"] = td["sample_mask"].bool() & (err <= threshold)
     with _reproducible_accumulation():  # bit-for-bit the same update at any thread count
         model.train()
         for rows in td.split(list(update_sizes)):

@@ -41,6 +41,7 @@ def init_model_parallel(mcfg: MegatronConfig, *, seed: int) -> None:
 
     Raises:
         ValueError: the sizes differ from those the process already initialized, or do not divide the world.
+        RuntimeError: CUDA ranks that joined over gloo (fewer GPUs than ranks on a node).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
@@ -51,6 +52,12 @@ def init_model_parallel(mcfg: MegatronConfig, *, seed: int) -> None:
             port = s.getsockname()[1]
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if torch.cuda.is_available() and dist.get_world_size() > 1 and str(dist.get_backend()) != "nccl":
+        msg = (
+            f"the megatron back-end needs a GPU per rank (NCCL), but these {dist.get_world_size()} ranks run on gloo: "
+            f"{torch.cuda.device_count()} GPUs for {os.environ.get('LOCAL_WORLD_SIZE', '?')} local ranks; set policy.nproc_per_node to the GPUs per node"
+        )
+        raise RuntimeError(msg)
     sizes = (mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         held = (
@@ -116,10 +123,15 @@ def check_model(hf_config: Any, mcfg: MegatronConfig) -> LlamaLayout:
     return layout
 
 
-def transformer_config(layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig, *, use_cpu_initialization: bool = False) -> Any:
+def transformer_config(
+    layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig, *, compute_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = False
+) -> Any:
     """megatron-core's ``TransformerConfig`` of the HF model: RMSNorm, SwiGLU (``gated_linear_unit`` with SiLU), no
     linear biases (q/k/v biases for Qwen2), grouped-query attention, no dropout, float32 parameters (bf16 compute comes
     from ``torch.autocast``, as in the transformers back-end), and the parallel sizes of ``mcfg``.
+
+    ``compute_dtype`` is what the pipeline stages send each other: under bf16 autocast megatron-core's layers cast the
+    residual stream to their bf16 output (``_bias_dropout_add_func``), so stages exchange bf16 activations.
 
     Raises:
         ValueError: what :func:`check_model` raises.
@@ -148,7 +160,7 @@ def transformer_config(layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig
         context_parallel_size=mcfg.context_parallel_size,
         sequence_parallel=mcfg.sequence_parallel,
         params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,  # the residual stream stays float32 under autocast: what the stages send
+        pipeline_dtype=compute_dtype,
         use_cpu_initialization=use_cpu_initialization,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -160,9 +172,12 @@ def transformer_config(layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig
     )
 
 
-def build_gpt_model(layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig, *, device: str | torch.device = "cuda") -> Any:
+def build_gpt_model(
+    layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig, *, device: str | torch.device = "cuda", compute_dtype: torch.dtype = torch.float32
+) -> Any:
     """This rank's stage of megatron-core's ``GPTModel`` (its tensor-parallel shard of its pipeline stage), with
-    freshly initialised weights, in eval mode; load real ones with :func:`load_hf_state_dict`.
+    freshly initialised weights, in eval mode; load real ones with :func:`load_hf_state_dict`. Its LM head runs in
+    float32 whatever ``compute_dtype`` the trunk runs in (:func:`float32_lm_head`).
 
     The layers are Transformer Engine's when it is installed, megatron-core's local ones otherwise (those have neither
     context nor sequence parallelism). Needs :func:`init_model_parallel` first.
@@ -188,7 +203,7 @@ def build_gpt_model(layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig, *
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    config = transformer_config(layout, hf_config, mcfg, use_cpu_initialization=torch.device(device).type == "cpu")
+    config = transformer_config(layout, hf_config, mcfg, compute_dtype=compute_dtype, use_cpu_initialization=torch.device(device).type == "cpu")
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -201,9 +216,27 @@ def build_gpt_model(layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig, *
         parallel_output=True,
         **rope_settings(hf_config),
     )
+    if model.post_process:
+        float32_lm_head(model.output_layer)
     model.to(device)
     model.eval()
     return model
+
+
+def float32_lm_head(layer: torch.nn.Module) -> None:
+    """Run ``layer`` (the LM head) outside autocast, in float32, from here on.
+
+    Under bf16 autocast the head's logits would be bf16: a logit near 20 is then rounded to a multiple of 0.125, and
+    every logprob and top-k value with it. The transformers back-end recomputes the logits that decide a logprob in
+    float32 (`rl.backends.hf.lm_head`); here the whole head runs in float32, [tokens, V / t] per tensor-parallel rank
+    (2 H V FLOPs per token, small beside the trunk's for models of 1B parameters and more)."""
+    forward = layer.forward
+
+    def head(input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=input_.device.type, enabled=False):
+            return forward(input_.float(), *args, **kwargs)
+
+    layer.forward = head  # type: ignore[method-assign]
 
 
 def uses_te_layernorm(model: torch.nn.Module) -> bool:
@@ -243,29 +276,54 @@ def local_shard(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def gather_hf_state_dict(model: torch.nn.Module, layout: LlamaLayout, mcfg: MegatronConfig) -> dict[str, torch.Tensor] | None:
-    """Collective: the whole model's weights under HF names, float32 on the CPU, on global rank 0 (None elsewhere).
+_REPLICA_GROUP: dict[int, Any] = {}
+"""The gloo group of the model-parallel ranks of replica 0, per world size (created once: ``new_group`` is collective)."""
 
-    One rank per (tensor-parallel rank, pipeline stage) of data-parallel replica 0 sends its shard to rank 0, which
-    merges the tensor-parallel shards of each stage, then the stages, and maps the names back
-    (`rl.backends.megatron.convert`).
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Collective: ``obj`` of every model-parallel rank (tensor x pipeline) of data-parallel replica 0, context-parallel
+    rank 0, on global rank 0 in group order; None on every other rank.
+
+    The objects travel over a gloo group of just those ranks, so they are pickled in host memory (``gather_object`` over
+    NCCL would stage ranks x the largest object on rank 0's GPU), and the other replicas, which hold copies, send nothing.
+    Without model parallelism rank 0 holds everything: ``[obj]`` there, no communication.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    sender = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(), local_shard(model)) if sender else None
-    if dist.get_world_size() == 1:
-        parts = [mine]
-    else:
-        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-        if dist.get_rank() != 0:
-            return None
+    rank = dist.get_rank()
+    if parallel_state.get_model_parallel_group().size() == 1:
+        return [obj] if rank == 0 else None
+    world = dist.get_world_size()
+    if world not in _REPLICA_GROUP:
+        mine = (rank, parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0)
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        _REPLICA_GROUP[world] = (dist.new_group([r for r, member in every if member], backend="gloo"), {r for r, member in every if member})
+    group, members = _REPLICA_GROUP[world]
+    if rank not in members:
+        return None
+    parts: list[Any] | None = [None] * len(members) if rank == 0 else None
+    dist.gather_object(obj, parts, dst=0, group=group)
+    return parts
+
+
+def gather_hf_state_dict(model: torch.nn.Module, layout: LlamaLayout, mcfg: MegatronConfig) -> dict[str, torch.Tensor] | None:
+    """Collective: the whole model's weights under HF names, float32 on the CPU, on global rank 0 (None elsewhere).
+
+    Each (tensor-parallel rank, pipeline stage) of replica 0 sends its shard to rank 0 (:func:`gather_to_rank0`), which
+    merges the tensor-parallel shards of each stage, then the stages, and maps the names back
+    (`rl.backends.megatron.convert`).
+    """
+    from megatron.core import parallel_state
+
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(), local_shard(model))
+    parts = gather_to_rank0(mine)
+    if parts is None:
+        return None
     by_stage: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
-    for part in parts:  # type: ignore[union-attr]
-        if part is not None:
-            by_stage.setdefault(part[0], {})[part[1]] = part[2]
+    for stage, tp_rank, shard in parts:
+        by_stage.setdefault(stage, {})[tp_rank] = shard
     stages = [merge_tensor_parallel([by_stage[p][t] for t in sorted(by_stage[p])], layout) for p in sorted(by_stage)]
     return megatron_to_hf(merge_pipeline_stages(stages, layout), layout, te_layernorm=uses_te_layernorm(model))
 

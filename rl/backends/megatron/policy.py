@@ -11,7 +11,8 @@ How it runs (Megatron-LM's training loop, reduced to what GRPO needs):
   on the last stage, on this context-parallel rank's part of each sequence (`rl.backends.megatron.parallel`), with
   token logprobs over the vocabulary split across tensor-parallel ranks (``vocab_parallel_cross_entropy``);
 - parameters are float32 and forward passes run under ``torch.autocast`` in ``model.precision`` (as in the
-  transformers back-end), so checkpoints hold the float32 master weights exactly;
+  transformers back-end), so checkpoints hold the float32 master weights exactly; the LM head runs in float32
+  (`rl.backends.megatron.model.float32_lm_head`);
 - after the last micro-batch of an update the gradients are summed over the data- and context-parallel ranks
   (`rl.distributed.all_reduce_gradients`), the tied embedding's over the first and last pipeline stages and the
   sequence-parallel layernorms' over the tensor-parallel ranks (megatron-core's ``finalize_model_grads`` does the
@@ -96,7 +97,10 @@ class MegatronPolicy(PolicyBackend):
 
         from rl.backends.megatron.model import build_gpt_model, load_hf_state_dict
 
-        model = build_gpt_model(self._layout, self._hf_config, self._mcfg, device=self._device)
+        from rl.precision import resolve
+
+        bf16 = resolve(self._cfg.model.precision, self._device) == "bfloat16"
+        model = build_gpt_model(self._layout, self._hf_config, self._mcfg, device=self._device, compute_dtype=torch.bfloat16 if bf16 else torch.float32)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
         load_hf_state_dict(model, hf, self._layout, self._mcfg)
         return model
@@ -175,23 +179,18 @@ class MegatronPolicy(PolicyBackend):
             self._optimizer_version = version.step
 
     def prepare_checkpoint(self, *, with_trainer_state: bool) -> None:
-        """Gather the whole model (HF names) and, with ``with_trainer_state``, every shard's optimizer state onto rank 0."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        from rl.backends.megatron.model import gather_hf_state_dict
+        """Gather the whole model (HF names) and, with ``with_trainer_state``, every shard's optimizer state onto rank 0
+        (`rl.backends.megatron.model.gather_to_rank0`: host memory, replica 0's ranks only)."""
+        from rl.backends.megatron.model import gather_hf_state_dict, gather_to_rank0
 
         hf = gather_hf_state_dict(self.model, self._layout, self._mcfg)
         optim = None
-        if with_trainer_state and self._optimizer is not None:
-            sender = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
-            mine = (self._shard, self._optimizer.state_dict()) if sender else None
-            if dist.get_world_size() == 1:
-                parts = [_to_cpu(mine)]
-            else:
-                parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-                dist.gather_object(_to_cpu(mine), parts, dst=0)
-            optim = dict(p for p in parts or [] if p is not None)
+        if with_trainer_state:
+            if self._optimizer is None:
+                msg = "prepare_checkpoint(with_trainer_state=True): the megatron policy holds no optimizer state; load it with load_checkpoint(version, with_optimizer=True)"
+                raise RuntimeError(msg)
+            parts = gather_to_rank0((self._shard, _to_cpu(self._optimizer.state_dict())))
+            optim = dict(parts) if parts is not None else None
         self._gathered = (self._version, hf, optim) if hf is not None else None  # type: ignore[assignment]
 
     def _whole(self, *, with_trainer_state: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -206,7 +205,10 @@ class MegatronPolicy(PolicyBackend):
         if stale and dist.get_world_size() == 1:
             self.prepare_checkpoint(with_trainer_state=with_trainer_state)
         elif stale:
-            msg = "the megatron policy is split over several ranks: call prepare_checkpoint on every rank before saving on rank 0"
+            msg = (
+                f"the megatron policy is split over {dist.get_world_size()} ranks: call prepare_checkpoint(with_trainer_state="
+                f"{with_trainer_state}) on every rank after training, before rank 0 saves or hands out weights"
+            )
             raise RuntimeError(msg)
         assert self._gathered is not None
         return self._gathered[1], self._gathered[2]
@@ -371,31 +373,17 @@ class MegatronPolicy(PolicyBackend):
     def _train(self, batch: Mapping[str, torch.Tensor], update_sizes: Sequence[int] | None) -> dict[str, float]:
         """The transformers back-end's ``train_on_batch`` (same arguments, metrics and errors) on megatron-core's model."""
         from megatron.core import parallel_state
-        from tensordict import TensorDict
 
         from rl import distributed
-        from rl.backends.hf.train import combine_step_metrics
+        from rl.backends.hf.train import combine_step_metrics, step_batch
         from rl.filters import seq_mult_prob_error
         from rl.loss import loss_mask
 
         cfg, model, optimizer = self._cfg, self.model, self._optimizer
         assert optimizer is not None
-        td = batch if isinstance(batch, TensorDict) else TensorDict(dict(batch), batch_size=[batch[F.INPUT_IDS].shape[0]])
-        td = td.clone(recurse=False)
+        td, update_sizes = step_batch(batch, cfg, update_sizes)
         n = int(td.batch_size[0])
-        if update_sizes is None:
-            gbs = max(min(cfg.optim.train_global_batch_size or n, n), 1)
-            update_sizes = [min(gbs, n - g0) for g0 in range(0, n, gbs)] or [0]
-        if sum(update_sizes) != n:
-            msg = f"update_sizes {list(update_sizes)} add up to {sum(update_sizes)} rows, but the batch has {n}"
-            raise ValueError(msg)
-        if F.PREV_LOGPROBS not in td.keys() and len(update_sizes) != 1:
-            msg = "prev_logprobs are missing but the step makes several optimizer updates; compute them (policy_logprobs)"
-            raise ValueError(msg)
         threshold = cfg.loss.seq_logprob_error_threshold
-        if threshold is not None:  # mask sequences whose generation logprobs disagree with pi_old (NeMo-RL grpo_sync)
-            err = seq_mult_prob_error(td[F.GENERATION_LOGPROBS], td[F.PREV_LOGPROBS], td[F.TOKEN_MASK])  # [n]
-            td[F.SAMPLE_MASK] = td[F.SAMPLE_MASK].bool() & (err <= threshold)
         reports = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
         first_cp = parallel_state.get_context_parallel_rank() == 0
         dp_group = parallel_state.get_data_parallel_group()
@@ -479,9 +467,9 @@ class MegatronPolicy(PolicyBackend):
         model = self.model
         params = [p for p in model.parameters() if p.requires_grad]
         distributed.all_reduce_gradients(params, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # every rank takes part in the collectives below
+        untouched = [p for p in params if p.grad is None]  # no replica gave them a gradient
+        for p in untouched:
+            p.grad = torch.zeros_like(p)  # every rank takes part in the collectives below
         if self._layout.tie_word_embeddings and self._mcfg.pipeline_model_parallel_size > 1 and parallel_state.is_rank_in_embedding_group():
             shared = model.shared_embedding_or_output_weight()
             dist.all_reduce(shared.grad, group=parallel_state.get_embedding_group())
@@ -489,6 +477,10 @@ class MegatronPolicy(PolicyBackend):
             for p in params:
                 if getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
+        for p in untouched:  # still none from another stage or rank: AdamW skips them, as in the transformers back-end
+            if not bool(p.grad.any()):  # type: ignore[union-attr]
+                p.grad = None
+        params = [p for p in params if p.grad is not None]
         counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
         norm = float(get_grad_norm_fp32(counted, grad_stats_parallel_group=parallel_state.get_model_parallel_group()))
         if self._cfg.optim.max_grad_norm > 0:  # torch's clip_grad_norm_ with that norm: scale by max / (norm + 1e-6) if < 1

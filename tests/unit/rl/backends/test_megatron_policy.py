@@ -236,3 +236,37 @@ def test_replicas_shard_the_step_and_model_parallel_ranks_share_a_shard(model_di
         assert got["global_valid_toks"] == want["global_valid_toks"]
         for key in ("loss", "grad_norm", "kl_penalty", "probs_ratio"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+
+
+def _bf16_pipeline_rank(rank: int, world: int, model_dir: str, folder: str) -> None:
+    import torch.distributed as dist
+
+    from rl.backends.megatron.policy import MegatronPolicy
+    from tests.megatron_cpu import megatron_on_cpu
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    cfg = config_from_dict({**_cfg(folder, "megatron", pp=2).to_dict(), "model": {"precision": "bfloat16"}})
+    with megatron_on_cpu():
+        policy = MegatronPolicy(cfg, tokenizer=_Tokenizer(), reference_path=model_dir)
+        policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=False)
+        torch.save({"writes": policy.writes_outputs(), "logprobs": policy.get_logprobs(_batch())}, f"{folder}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_bf16_pipeline_stages_exchange_bf16_activations(model_dir, tmp_path):
+    """Under bf16 autocast megatron-core's residual stream is bf16, so that is what the stages send (``pipeline_dtype``);
+    the logprobs stay close to the transformers back-end's bf16 ones (its residual stream is float32, both heads are)."""
+    import torch.multiprocessing as mp
+
+    from rl.backends.hf.policy import HFPolicy
+
+    mp.spawn(_bf16_pipeline_rank, args=(2, model_dir, str(tmp_path)), nprocs=2, join=True)
+    last = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert last["writes"] and not torch.load(tmp_path / "rank0.pt", weights_only=False)["writes"]
+    hf = HFPolicy(config_from_dict({**_cfg(str(tmp_path), "transformers").to_dict(), "model": {"precision": "bfloat16"}}), tokenizer=_Tokenizer(), reference_path=model_dir)
+    hf.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=False)
+    want = hf.get_logprobs(_batch())
+    mask = _batch()["token_mask"]
+    diff = (last["logprobs"] - want).abs()[mask]
+    assert float(diff.max()) < 0.02 and float(diff.mean()) < 0.005, (float(diff.max()), float(diff.mean()))
