@@ -270,3 +270,38 @@ def test_bf16_pipeline_stages_exchange_bf16_activations(model_dir, tmp_path):
     mask = _batch()["token_mask"]
     diff = (last["logprobs"] - want).abs()[mask]
     assert float(diff.max()) < 0.02 and float(diff.mean()) < 0.005, (float(diff.max()), float(diff.mean()))
+
+
+def _real_model_rank(rank: int, model_dir: str, folder: str) -> None:
+    from rl.backends.megatron.policy import MegatronPolicy
+    from rl.model import load_tokenizer
+    from tests.megatron_cpu import megatron_on_cpu
+
+    del rank
+    torch.set_num_threads(2)
+    with megatron_on_cpu():
+        policy = MegatronPolicy(_cfg(folder, "megatron"), tokenizer=load_tokenizer(model_dir), reference_path=model_dir)
+        policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=False)
+        torch.save(policy.get_logprobs(torch.load(f"{folder}/batch.pt")), f"{folder}/logprobs.pt")
+
+
+def test_megatron_matches_the_transformers_backend_on_the_real_model(real_model_dir, tmp_path):
+    """SmolLM2-135M-Instruct (30 layers, 9 heads in 3 key-value groups, tied) through megatron-core's GPTModel, float32."""
+    import torch.multiprocessing as mp
+
+    from rl.backends.hf.policy import HFPolicy
+    from rl.model import load_tokenizer
+
+    tok = load_tokenizer(real_model_dir)
+    rows = [tok(t)["input_ids"] for t in ("What is 4 + 3? The answer is 7.", "Name a prime number: seven, because it has no divisors.")]
+    lengths = torch.tensor([len(r) for r in rows])
+    ids = torch.tensor([r + [tok.pad_token_id] * (int(lengths.max()) - len(r)) for r in rows])
+    mask = (torch.arange(ids.shape[1])[None, :] >= 4) & (torch.arange(ids.shape[1])[None, :] < lengths[:, None])
+    batch = {"input_ids": ids, "input_lengths": lengths, "token_mask": mask, "sample_mask": torch.ones(2, dtype=torch.bool)}
+    torch.save(batch, tmp_path / "batch.pt")
+    mp.spawn(_real_model_rank, args=(real_model_dir, str(tmp_path)), nprocs=1, join=True)
+    hf = HFPolicy(_cfg(str(tmp_path), "transformers"), tokenizer=tok, reference_path=real_model_dir)
+    hf.load_checkpoint(PolicyVersion(0, real_model_dir), with_optimizer=False)
+    diff = (torch.load(tmp_path / "logprobs.pt") - hf.get_logprobs(batch)).abs()[mask]
+    print(f"\n[megatron vs transformers, SmolLM2-135M, float32, CPU] {int(mask.sum())} tokens: max |diff| {float(diff.max()):.1e}, mean {float(diff.mean()):.1e} nats")
+    assert float(diff.max()) < 2e-4 and float(diff.mean()) < 5e-5
