@@ -508,8 +508,8 @@ def _micro_batches(batch: Mapping[str, torch.Tensor], size: int, mcfg: Any) -> l
 
     from rl.backends.megatron.parallel import context_parallel_split, padded_length
 
-    ids, lengths = batch[F.INPUT_IDS], batch[F.INPUT_LENGTHS]
-    n = ids.shape[0]
+    lengths = batch[F.INPUT_LENGTHS]
+    n = lengths.shape[0]
     cp, cp_rank = mcfg.context_parallel_size, parallel_state.get_context_parallel_rank()
     fixed = mcfg.pipeline_model_parallel_size > 1
 
@@ -522,18 +522,18 @@ def _micro_batches(batch: Mapping[str, torch.Tensor], size: int, mcfg: Any) -> l
         rows = slice(a, min(a + size, n))
         width = whole if fixed else pad_to(int(lengths[rows].max()))
         m = size if fixed else rows.stop - rows.start
+        def fit(x: torch.Tensor) -> torch.Tensor:  # [r, <= width] -> [m, width], zero-padded
+            return torch.nn.functional.pad(x, (0, width - x.shape[1], 0, m - x.shape[0]))  # noqa: B023
+
         mb: dict[str, torch.Tensor] = {}
         for key, value in batch.items():
             v = value[rows]
-            if v.dim() == 2:  # per token: [r, S] -> prediction-aligned [m, width]
-                v = v[:, 1 : width + 1]
-                v = torch.nn.functional.pad(v, (0, width - v.shape[1], 0, m - v.shape[0]))
-                if key == F.INPUT_IDS:
-                    mb["targets"] = v
-                    v = torch.nn.functional.pad(value[rows][:, :width], (0, max(width - value.shape[1], 0), 0, m - (rows.stop - rows.start)))
-                mb[key] = v
-            else:
+            if v.dim() == 1:  # per row: [r] -> [m]
                 mb[key] = torch.nn.functional.pad(v, (0, m - v.shape[0]))
+                continue
+            if key == F.INPUT_IDS:
+                mb[key] = fit(v[:, :width])  # the model's inputs
+            mb["targets" if key == F.INPUT_IDS else key] = fit(v[:, 1 : width + 1])  # per token: prediction-aligned
         positions = torch.arange(width).expand(m, width)
         for key in [k for k, v in mb.items() if v.dim() == 2]:
             mb[key] = context_parallel_split(mb[key], rank=cp_rank, size=cp)
