@@ -162,6 +162,30 @@ class DataPlane:
             "it was never registered or it was cleared"
         )
 
+    def seal(self, meta: KVBatchMeta) -> None:
+        """Record ``meta`` as its partition's finished batch (its rows all written): a later process finds it with
+        :meth:`sealed` instead of producing the batch again. Written atomically, after the writes it names."""
+        path = paths.sealed_path(self._part(meta.partition_id))
+        self._put_atomic(path, json.dumps(dataclasses.asdict(meta), sort_keys=True).encode())
+
+    def sealed(self, partition_id: str) -> KVBatchMeta | None:
+        """The meta :meth:`seal` recorded for ``partition_id``; None when the partition was never sealed (a producer
+        killed before it finished) or was cleared.
+
+        Raises:
+            IntegrityError: the record is not a meta.
+        """
+        path = paths.sealed_path(self._part(partition_id))
+        try:
+            blob = self._io(f"read {path}", lambda: self.fs.cat_file(path, start=0))
+        except FileNotFoundError:
+            return None
+        try:
+            return KVBatchMeta(**json.loads(blob))
+        except (ValueError, TypeError) as err:
+            msg = f"{path}: not a sealed batch record ({err}); clear partition {partition_id!r} to produce it again"
+            raise IntegrityError(msg) from None
+
     def exists(self, partition_id: str) -> bool:
         path = paths.schema_path(self._part(partition_id))
         return bool(self._io(f"check {path}", lambda: self.fs.exists(path)))

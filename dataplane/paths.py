@@ -52,6 +52,10 @@ def data_path(part_dir: str, write_id: str) -> str:
     return join(part_dir, "data", f"{check_name('write_id', write_id)}.parquet")
 
 
+def sealed_path(part_dir: str) -> str:
+    return join(part_dir, "_sealed.json")
+
+
 def commits_dir(part_dir: str) -> str:
     return join(part_dir, "_commits")
 

@@ -18,6 +18,7 @@ Owns the on-disk format of a checkpoint; where checkpoints live is `dataplane.pa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -25,6 +26,7 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -501,6 +503,21 @@ def local_copy(
     return str(target)
 
 
+@contextlib.contextmanager
+def local_folder(
+    url: str, storage_options: dict[str, Any] | None = None, *, require_complete: bool = False, verify: bool = True
+) -> Iterator[str]:
+    """:func:`local_copy` for the length of a ``with`` block: the temporary copy of a remote checkpoint is removed at
+    its end (a local folder is used where it is and left alone). Same arguments and errors as :func:`local_copy`."""
+    folder = local_copy(url, storage_options, require_complete=require_complete, verify=verify)
+    copied = not _fs(url, storage_options)[2]
+    try:
+        yield folder
+    finally:
+        if copied:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def load_trainer_state(folder: str, optimizer: torch.optim.Optimizer, scheduler: Any, *, shard: str | None = None) -> TrainerState:
     """Load optimizer, scheduler and RNG state from a local checkpoint folder (see :func:`local_copy`) into the
     given objects.
@@ -577,9 +594,10 @@ def list_complete(url: str, storage_options: dict[str, Any] | None = None) -> li
     return sorted(out)
 
 
-def prune(url: str, keep_last_k: int, storage_options: dict[str, Any] | None = None, *, keep: str | None = None) -> None:
-    """Delete all but the newest ``keep_last_k`` complete checkpoints under ``url``, and never ``keep`` (the
-    checkpoint the running step started from: a retry of that step must be able to load it again).
+def prune(url: str, keep_last_k: int, storage_options: dict[str, Any] | None = None, *, keep: str | Iterable[str] | None = None) -> None:
+    """Delete all but the newest ``keep_last_k`` complete checkpoints under ``url``, and never those in ``keep`` (the
+    checkpoint the running step started from: a retry of that step must be able to load it again; with async GRPO
+    also the policies later rollouts generate with).
 
     Each checkpoint loses its marker first, so a concurrent reader never takes a half-deleted one as complete; a
     prune that dies half-way leaves marker-less folders, which readers ignore and a later save replaces.
@@ -587,8 +605,10 @@ def prune(url: str, keep_last_k: int, storage_options: dict[str, Any] | None = N
     Raises:
         storage errors: permanent, or transient past the retry deadline.
     """
+    kept = {keep} if isinstance(keep, str) else set(keep or ())
+    kept = {k.rstrip("/") for k in kept}
     complete = list_complete(url, storage_options)
     for _, old in complete[: max(len(complete) - keep_last_k, 0)]:
-        if keep is None or old.rstrip("/") != keep.rstrip("/"):
+        if old.rstrip("/") not in kept:
             fs, path, _ = _fs(old, storage_options)
             _remove_checkpoint(fs, path, old)

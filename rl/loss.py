@@ -116,7 +116,9 @@ def clipped_pg_loss(
     Returns:
         ``(loss, sums)``: scalar loss (with grad) and detached per-micro-batch *sums* over valid tokens
         (``probs_ratio``, ``probs_ratio_clamped``, ``kl_penalty``, ``token_mult_prob_error``,
-        ``approx_entropy``, ``pg_loss``, ``importance_sampling_weight``, ``valid_toks``) for exact aggregation across micro-batches.
+        ``approx_entropy``, ``pg_loss``, ``importance_sampling_weight``, ``valid_toks``) for exact aggregation across
+        micro-batches, and the extremes ``importance_sampling_weight_max`` / ``_min`` over valid tokens (see
+        :func:`accumulate`).
     """
     mask = loss_mask(batch.token_mask, batch.sample_mask)  # [M, S-1]
     curr = batch.logprobs[:, 1:]  # [M, S-1]
@@ -155,9 +157,34 @@ def clipped_pg_loss(
             "token_mult_prob_error": (torch.exp((gen - prev).abs()) * mask).sum(),
             "approx_entropy": (-curr * mask).sum(),
             "importance_sampling_weight": (weight * mask).sum(),
+            # over valid tokens (-inf / inf when there are none: `accumulate` keeps the other micro-batches' value)
+            "importance_sampling_weight_max": _masked_extreme(weight, mask, largest=True),
+            "importance_sampling_weight_min": _masked_extreme(weight, mask, largest=False),
             "valid_toks": mask.sum(),
         }
     return loss, sums
+
+
+def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, *, largest: bool) -> torch.Tensor:
+    """max (``largest``) or min of ``x`` where ``mask``; -inf / inf when nothing is valid. No host sync."""
+    fill = float("-inf") if largest else float("inf")
+    if not x.numel():
+        return x.new_tensor(fill)
+    kept = x.masked_fill(~mask.bool(), fill)
+    return kept.max() if largest else kept.min()
+
+
+def accumulate(totals: dict[str, float], part: dict[str, float]) -> None:
+    """Fold one micro-batch's (or rank's) metric values into ``totals`` in place: a key ending in ``_max`` keeps the
+    largest value, one ending in ``_min`` the smallest, any other is a sum (divided by the valid tokens at the end)."""
+    for k, v in part.items():
+        v = float(v)
+        if k.endswith("_max"):
+            totals[k] = max(totals.get(k, v), v)
+        elif k.endswith("_min"):
+            totals[k] = min(totals.get(k, v), v)
+        else:
+            totals[k] = totals.get(k, 0.0) + v
 
 
 def clipped_pg_loss_with(batch: LossInputs, cfg: LossConfig, *, global_valid_toks: float, global_valid_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

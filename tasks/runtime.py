@@ -7,15 +7,27 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl.backends.interfaces import GenerationBackend, PolicyBackend
 from rl.config import GRPOConfig
 from tasks.types import PolicyVersion, RunInfo
 
+if TYPE_CHECKING:
+    from tasks.trajectories import TrajectoryCollector
+
 _BACKENDS: dict[tuple[str, str], Any] = {}
 """(run_id, role) -> back-end object; roles ``generation`` and ``policy``."""
+
+_COLLECTORS: dict[str, TrajectoryCollector] = {}
+"""run_id -> the run's background trajectory collector in this process (async GRPO in a local run)."""
+
+COLLECTOR_ENV = "GRPOFLOW_COLLECTOR"
+"""``auto`` (default): a local run with ``grpo.max_trajectory_age_steps`` > 0 generates in the background; ``off``:
+the rollout task generates, as on a cluster; ``on``: the collector also at a = 0 (tests: it must equal the sync run)."""
 
 _TASKS_STARTED = 0
 """Tasks begun in this process (:func:`begin_task`)."""
@@ -70,17 +82,77 @@ def generation(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Generati
     It refits only when it holds another version: in place from the live policy back-end when that one is at
     ``policy.step`` (a warm process: no disk round trip), else from ``policy.path`` (a cold one).
     """
+    gen = _generation_backend(cfg, run)
+    if gen.weight_version != policy.step:
+        live = _BACKENDS.get((run.run_id, "policy"))
+        warm = live is not None and live.weight_version == policy.step
+        gen.refit(policy, weights=live.named_weights() if warm else None)
+    return gen
+
+
+def _generation_backend(cfg: GRPOConfig, run: RunInfo) -> GenerationBackend:
     from rl.backends import registry
 
     gen = _BACKENDS.get((run.run_id, "generation"))
     if gen is None:
         cls = registry.load("generation", cfg.generation.backend)
         gen = _BACKENDS[(run.run_id, "generation")] = cls(cfg, tokenizer=tokenizer(run.model_path), model_path=run.model_path)
-    if gen.weight_version != policy.step:
-        live = _BACKENDS.get((run.run_id, "policy"))
-        warm = live is not None and live.weight_version == policy.step
-        gen.refit(policy, weights=live.named_weights() if warm else None)
     return gen
+
+
+def collector(cfg: GRPOConfig, run: RunInfo) -> TrajectoryCollector | None:
+    """The run's background trajectory collector in this process, started on first use (async GRPO in a local run).
+
+    None where the rollout task generates its batch itself: tasks run cold (a cluster, where the DAG overlaps the
+    steps, or data-parallel ranks in processes of their own), ``grpo.max_trajectory_age_steps`` is 0, or
+    ``GRPOFLOW_COLLECTOR=off`` (see :data:`COLLECTOR_ENV`). A collector left by an earlier attempt of the run that
+    started elsewhere (an in-process resume) is stopped and replaced.
+
+    Raises:
+        ValueError: ``GRPOFLOW_COLLECTOR`` is not ``auto``, ``on`` or ``off``.
+    """
+    mode = os.environ.get(COLLECTOR_ENV, "auto") or "auto"
+    if mode not in ("auto", "on", "off"):
+        msg = f"{COLLECTOR_ENV}={mode!r}: use auto (the default), on or off"
+        raise ValueError(msg)
+    if run.cold_tasks or mode == "off" or (mode == "auto" and cfg.grpo.max_trajectory_age_steps == 0):
+        return None
+    found = _COLLECTORS.get(run.run_id)
+    if found is not None and found.start_step != run.start_step:  # left by an earlier attempt of the run (a resume)
+        _COLLECTORS.pop(run.run_id).stop()
+        found = None
+    if found is None:
+        from tasks.trajectories import TrajectoryCollector
+
+        found = TrajectoryCollector(cfg, run, _generation_backend(cfg, run))
+        _COLLECTORS[run.run_id] = found.start_collection()
+    return found
+
+
+def publish(run: RunInfo, version: PolicyVersion) -> None:
+    """Hand the policy of ``version`` to the run's collector in this process, if there is one, with a copy of the live
+    trainer's weights when it holds that version (else the collector loads ``version.path`` when it needs it)."""
+    found = _COLLECTORS.get(run.run_id)
+    if found is None:
+        return
+    live = _BACKENDS.get((run.run_id, "policy"))
+    weights = live.named_weights() if live is not None and live.weight_version == version.step else None
+    found.set_weight_version(version, weights)
+
+
+@contextmanager
+def generation_exclusive(run: RunInfo) -> Iterator[None]:
+    """Hold the run's generation back-end away from its collector (which waits for its batch in flight, starts none,
+    and refits back to its own version afterwards); a no-op without a collector."""
+    found = _COLLECTORS.get(run.run_id)
+    if found is None:
+        yield
+        return
+    found.prepare_for_refit()
+    try:
+        yield
+    finally:
+        found.resume_after_refit()
 
 
 def policy(cfg: GRPOConfig, run: RunInfo, version: PolicyVersion | None = None, *, training: bool = False) -> PolicyBackend:
@@ -115,6 +187,9 @@ def discard(run: RunInfo, role: str) -> None:
 
 
 def release(run: RunInfo) -> None:
-    """Shut down every back-end of ``run`` in this process (the run is over)."""
+    """Stop the run's collector and shut down every back-end of ``run`` in this process (the run is over)."""
+    found = _COLLECTORS.pop(run.run_id, None)
+    if found is not None:
+        found.stop()
     for role in ("generation", "policy"):
         discard(run, role)

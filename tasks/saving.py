@@ -20,7 +20,9 @@ def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, starte
     """Save the weights of ``backend.weight_version``: with trainer state under ``checkpoints/`` when due (keeping the
     newest ``keep_last_k``), otherwise under ``weights/`` (keeping the newest one), with the trainer state too when
     tasks run cold (``run.cold_tasks``: the next step's train task is another process and finds it there). The policy the
-    step ``started_from`` is kept too, so that a retry of this step finds its input; the next step prunes it."""
+    step ``started_from`` is kept too, so that a retry of this step finds its input; the next step prunes it. With
+    ``grpo.max_trajectory_age_steps`` = a, so are the a policies before this one: later steps' rollouts generate with
+    them (``rl.async_grpo.generation_version``)."""
     from dataplane import paths
     from rl import checkpoint
 
@@ -28,26 +30,35 @@ def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, starte
     step = backend.weight_version
     assert step is not None
     state = checkpoint.TrainerState(step=step, mlflow_run_id=run.mlflow_run_id, extra={"data_position": step})
+    # never prune: this save (a killed run may have left newer folders, which would count as the newest), the input
+    # of this step (for its retry), and the policies later rollouts generate with (async)
+    keep = {started_from.path, *(policy_url(cfg, run, v) for v in range(max(step - cfg.grpo.max_trajectory_age_steps, 0), step + 1))}
     if checkpoint_due(cfg, step):
         url = paths.checkpoint_dir(root, run.run_id, step)
         backend.save_checkpoint(url, trainer_state=state)
-        checkpoint.prune(paths.checkpoints_dir(root, run.run_id), cfg.checkpointing.keep_last_k, so, keep=started_from.path)
-        checkpoint.prune(paths.weights_dir(root, run.run_id), 0, so, keep=started_from.path)
+        checkpoint.prune(paths.checkpoints_dir(root, run.run_id), cfg.checkpointing.keep_last_k, so, keep=keep)
+        checkpoint.prune(paths.weights_dir(root, run.run_id), 0, so, keep=keep)
     else:  # weights only; in a cold process also the trainer state: how it reaches the next step's train task
         url = paths.weights_step_dir(root, run.run_id, step)
         backend.save_checkpoint(url, trainer_state=state if run.cold_tasks else None)
-        checkpoint.prune(paths.weights_dir(root, run.run_id), 1, so, keep=started_from.path)
+        checkpoint.prune(paths.weights_dir(root, run.run_id), 1, so, keep=keep)
     return PolicyVersion(step=step, path=url)
+
+
+def policy_url(cfg: GRPOConfig, run: RunInfo, step: int) -> str:
+    """Where :func:`save_policy` puts the policy of ``step`` (``checkpoints/`` when due, else ``weights/``)."""
+    from dataplane import paths
+
+    root = cfg.dataplane.root
+    return paths.checkpoint_dir(root, run.run_id, step) if checkpoint_due(cfg, step) else paths.weights_step_dir(root, run.run_id, step)
 
 
 def saved_version(cfg: GRPOConfig, run: RunInfo, step: int) -> PolicyVersion | None:
     """The policy of ``step`` where :func:`save_policy` puts it, if that save completed; else None."""
-    from dataplane import paths
     from rl import checkpoint
 
-    root, so = cfg.dataplane.root, cfg.dataplane.storage_options
-    url = paths.checkpoint_dir(root, run.run_id, step) if checkpoint_due(cfg, step) else paths.weights_step_dir(root, run.run_id, step)
-    return PolicyVersion(step=step, path=url) if checkpoint.is_complete(url, so) else None
+    url = policy_url(cfg, run, step)
+    return PolicyVersion(step=step, path=url) if checkpoint.is_complete(url, cfg.dataplane.storage_options) else None
 
 
 def prune_finished(cfg: GRPOConfig, run: RunInfo) -> None:

@@ -4,6 +4,7 @@ log the step's metrics, clear the step's partition (last: a retry after any earl
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from flytekit import task
 
@@ -35,7 +36,6 @@ def train(
 
 def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta, since: float) -> PolicyVersion:
     from dataplane import fields as F
-    from dataplane import paths
     from rl import distributed
     from rl.seeding import seed_all, step_seed
     from tasks import kept_rollouts, runtime, saving, tracking
@@ -50,7 +50,8 @@ def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMe
         from dataplane.urls import redact
 
         if lead:
-            dp.clear(paths.step_partition(step))
+            runtime.publish(run, finished)
+            _clear_partitions(cfg, dp, step)
             print(f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | done by an earlier attempt: {redact(finished.path)}", flush=True)
         return finished
     wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
@@ -84,7 +85,8 @@ def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMe
     out["timing/train/total_step_time"] = time.time() - info["step_started_unix"]
     kept_rollouts.keep(cfg, run, dp, meta, step)  # before the metrics: a retry that finds them logged only clears
     tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, step)  # once, also when retried or resumed
-    dp.clear(paths.step_partition(step))  # last: until here a retry finds the whole step
+    runtime.publish(run, new_policy)  # an async local run's collector generates with it
+    _clear_partitions(cfg, dp, step)  # last: until here a retry finds the whole step
     print(
         f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | reward {out['train/reward']:.3f} | loss {out['train/loss']:+.4f}"
         f" | kl {out['train/kl_penalty']:.5f} | gen {out['train/generated_tokens_per_s']:.0f} tok/s"
@@ -92,6 +94,18 @@ def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMe
         flush=True,
     )
     return new_policy
+
+
+def _clear_partitions(cfg: GRPOConfig, dp: Any, step: int) -> None:
+    """Clear the step's partition; async (a > 0), keep those a resume from the newest checkpoint needs and clear them
+    at the next checkpoint (``rl.async_grpo.partitions_to_clear``)."""
+    from dataplane import paths
+    from rl.async_grpo import partitions_to_clear
+    from tasks import saving
+
+    checkpoints = [c for c in range(1, step + 1) if saving.checkpoint_due(cfg, c)]
+    for done in partitions_to_clear(step, cfg.grpo.max_trajectory_age_steps, checkpoints):
+        dp.clear(paths.step_partition(done))
 
 
 def _finished_attempt(cfg: GRPOConfig, run: RunInfo, step: int) -> PolicyVersion | None:

@@ -46,11 +46,12 @@ def greedy_accuracy(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, *, sin
     runtime.set_threads()
     d = cfg.data
     problems = val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
-    generator = runtime.generation(cfg, run, policy)
-    ready = runtime.startup_metric(task, since)
-    t0 = time.perf_counter()
-    groups = generate_groups(generator, runtime.tokenizer(run.model_path), problems, cfg, group_size=1, greedy=True, seed=cfg.grpo.seed)
-    gen_s = time.perf_counter() - t0
+    with runtime.generation_exclusive(run):  # an async run's collector lends its back-end for the validation
+        generator = runtime.generation(cfg, run, policy)
+        ready = runtime.startup_metric(task, since)
+        t0 = time.perf_counter()
+        groups = generate_groups(generator, runtime.tokenizer(run.model_path), problems, cfg, group_size=1, greedy=True, seed=cfg.grpo.seed)
+        gen_s = time.perf_counter() - t0
     columns = to_columns(groups, torch.ones(len(problems), dtype=torch.bool), group_size=1, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
     partition = f"{kind}_{policy.step:06d}"

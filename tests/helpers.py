@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rl.config import config_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_config(tmp_path: Path, model: str, **overrides: dict) -> object:
@@ -28,3 +37,39 @@ def metric_steps(uri: str, run_id: str, key: str) -> list[int]:
     from mlflow.tracking import MlflowClient
 
     return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def _launch(cfg: dict) -> subprocess.Popen:
+    """The ``grpo`` workflow on ``cfg`` in a new process, at the default thread count (a run must be exact without
+    GRPOFLOW_NUM_THREADS / OMP_NUM_THREADS pinning it to 1)."""
+    code = (
+        "import sys; from rl.config import GRPOConfig; from workflows.grpo import grpo; "
+        "grpo(cfg=GRPOConfig.from_json(sys.argv[1]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPOFLOW_NUM_THREADS", "OMP_NUM_THREADS")}
+    env["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
+    return subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def run_to_end(cfg: dict, timeout: float = 600) -> str:
+    """Run the workflow on ``cfg`` in a new process to its end; its output. Fails the test if the run fails."""
+    proc = _launch(cfg)
+    out, _ = proc.communicate(timeout=timeout)
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+def kill_when(cfg: dict, ready: Callable[[], object], timeout: float = 600) -> Path:
+    """Start the workflow on ``cfg`` in a new process and SIGKILL it as soon as ``ready()`` is true; the run's folder
+    under ``dataplane.root``. Fails the test if the run ends first."""
+    proc = _launch(cfg)
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, "the run ended before the moment to kill it"
+        assert time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (run_dir,) = [p for p in Path(cfg["dataplane"]["root"]).iterdir() if p.is_dir()]
+    return run_dir

@@ -14,6 +14,7 @@ from typing import Any
 from flytekit import dynamic, workflow
 
 from dataplane.meta import KVBatchMeta
+from rl.async_grpo import generation_version
 from rl.config import GRPOConfig
 from tasks.advantages import advantages
 from tasks.config_file import load_config_file
@@ -27,11 +28,12 @@ from tasks.types import PolicyVersion, RunInfo, RunSummary
 from tasks.validate import validate
 
 
-def grpo_step(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int) -> PolicyVersion:
-    """One synchronous GRPO step: the policy after ``step - 1`` updates -> the policy after ``step``."""
+def grpo_step(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int, behaviour: PolicyVersion) -> PolicyVersion:
+    """One GRPO step: the policy after ``step - 1`` updates -> the policy after ``step``, trained on completions
+    sampled from ``behaviour``: ``policy`` itself when synchronous, an older policy when async."""
     node = _nodes(cfg, f"step-{step}")
-    # 1 rollout: G completions per prompt, scored, first put of the step partition
-    batch: KVBatchMeta = node(rollout)(cfg=cfg, run=run, policy=policy, step=step)
+    # 1 rollout: G completions per prompt by the behaviour policy, scored, first put of the step partition
+    batch: KVBatchMeta = node(rollout)(cfg=cfg, run=run, policy=behaviour, step=step)
     # 2 policy logprobs (only off-policy: on-policy, pi_old is the training forward itself) and
     # 3 reference-policy logprobs: independent delta writes
     prev = batch if cfg.on_policy else node(policy_logprobs)(cfg=cfg, run=run, policy=policy, meta=batch)
@@ -55,13 +57,19 @@ def _validation_due(cfg: GRPOConfig, step: int) -> bool:
 
 @dynamic(**declared("cpu"))
 def training_loop(cfg: GRPOConfig, run: RunInfo) -> RunSummary:
-    """Unroll steps ``start_step+1 .. max_num_steps``, validating every ``val_period``."""
+    """Unroll steps ``start_step+1 .. max_num_steps``, validating every ``val_period``.
+
+    Async GRPO (``grpo.max_trajectory_age_steps`` = a > 0): the rollout of step k takes the policy after step
+    k - 1 - a, so on a cluster it starts as soon as that policy exists, beside the training of steps k - a .. k - 1.
+    """
     policy = PolicyVersion(step=run.start_step, path=run.start_policy_path)
+    policies = {run.start_step: policy}  # step -> the policy after it, for the rollouts of later steps
     accuracy = -1.0
     if cfg.grpo.val_at_start and run.start_step == 0:
         accuracy = _nodes(cfg, "step-0")(validate)(cfg=cfg, run=run, policy=policy)
     for step in range(run.start_step + 1, cfg.grpo.max_num_steps + 1):
-        policy = grpo_step(cfg, run, policy, step)
+        behaviour = policies[generation_version(step, cfg.grpo.max_trajectory_age_steps, run.start_step)]
+        policy = policies[step] = grpo_step(cfg, run, policy, step, behaviour)
         if _validation_due(cfg, step):
             accuracy = _nodes(cfg, f"step-{step}")(validate)(cfg=cfg, run=run, policy=policy)
     return _nodes(cfg, "end")(finish_run)(cfg=cfg, run=run, policy=policy, validation_accuracy=accuracy)

@@ -307,3 +307,27 @@ def test_ranks_per_node_need_a_gpu_each():
         config_from_dict({"policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 2}}})
     with pytest.raises(ValueError, match=r"config policy.nnodes: is 0; use 1 or more"):
         config_from_dict({"policy": {"nnodes": 0}})
+
+
+@pytest.mark.parametrize("age", [0, 1, 2])
+def test_async_rollout_of_step_k_waits_only_for_the_policy_of_step_k_minus_1_minus_a(age):
+    """The serialized step loop: each rollout node's ``policy`` input is bound to the train node a steps before the
+    step's own input policy (the start policy, a literal, for the first a + 1 steps), and nothing else is upstream of
+    it, so on a cluster rollout k runs beside the training of steps k - a .. k - 1."""
+    cfg = config_from_dict({"grpo": {"max_num_steps": 4, "val_period": 0, "max_trajectory_age_steps": age}, "loss": {"use_importance_sampling_correction": age > 0}})
+    spec, _ = _compile(cfg)
+    nodes = _by_id(spec)
+    for k in range(1, 5):
+        rollout = nodes[f"step-{k}-rollout"]
+        (policy,) = [b.binding for b in rollout.inputs if b.var == "policy"]
+        source = k - 1 - age
+        if source >= 1:
+            assert policy.promise.node_id == f"step-{source}-train"
+            assert list(rollout.upstream_node_ids) == [f"step-{source}-train"]
+        else:
+            assert policy.promise is None and policy.scalar is not None  # the run's start policy
+            assert list(rollout.upstream_node_ids) == []
+        # the step trains the policy of the step before it, whatever sampled it
+        (trained,) = [b.binding for b in nodes[f"step-{k}-train"].inputs if b.var == "policy"]
+        if k > 1:
+            assert trained.promise.node_id == f"step-{k - 1}-train"

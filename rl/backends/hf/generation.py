@@ -60,10 +60,11 @@ class HFGeneration(GenerationBackend):
 
     def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         from rl.backends.hf.model import load_model
-        from rl.checkpoint import local_copy
+        from rl.checkpoint import local_folder
 
         if weights is None:
-            self._model = load_model(local_copy(version.path, self._cfg.dataplane.storage_options, require_complete=version.step > 0))
+            with local_folder(version.path, self._cfg.dataplane.storage_options, require_complete=version.step > 0) as folder:
+                self._model = load_model(folder)
         else:
             if self._model is None:
                 self._model = load_model(self._model_path)

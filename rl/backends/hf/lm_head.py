@@ -13,6 +13,7 @@ Owns the head maths only; the trunk and its precision are `rl.precision`.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,10 @@ import torch
 from rl.precision import runs_bf16
 
 EXACT_TOP_K = 8
-_LOW_WEIGHTS_KEPT = 2
+_LOW_WEIGHTS_KEPT = 3
+"""Low-precision head weights cached: the policy's, the reference's and the generation model's."""
 _LOW_WEIGHTS: dict[int, tuple[tuple, torch.Tensor]] = {}
+_LOW_WEIGHTS_LOCK = threading.Lock()  # an async run's collector thread generates beside the trainer
 
 
 @dataclass(frozen=True)
@@ -45,20 +48,21 @@ class LMHead:
         w = self.weight
         if not self.corrected:
             return w.detach()
-        key = (id(w), w.data_ptr(), w._version, self.compute_dtype)
-        hit = _LOW_WEIGHTS.get(id(w))
-        if hit is None or hit[0] != key:
-            while len(_LOW_WEIGHTS) >= _LOW_WEIGHTS_KEPT:  # the oldest goes (policy and reference heads fit)
-                _LOW_WEIGHTS.pop(next(iter(_LOW_WEIGHTS)))
-            hit = _LOW_WEIGHTS[id(w)] = (key, w.detach().to(self.compute_dtype))
-        return hit[1]
+        with _LOW_WEIGHTS_LOCK:
+            key = (id(w), w.data_ptr(), w._version, self.compute_dtype)
+            hit = _LOW_WEIGHTS.get(id(w))
+            if hit is None or hit[0] != key:
+                while hit is None and len(_LOW_WEIGHTS) >= _LOW_WEIGHTS_KEPT:  # a new head: the oldest goes
+                    _LOW_WEIGHTS.pop(next(iter(_LOW_WEIGHTS)))
+                hit = _LOW_WEIGHTS[id(w)] = (key, w.detach().to(self.compute_dtype))
+            return hit[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, V] float32 (or the weight's wider dtype) logits of ``hidden`` [T, H], the top-k entries exact.
 
         Runs with autocast off (inside an autocast block the exact einsum would otherwise run in bf16).
         """
-        with torch.autocast(self.weight.device.type, enabled=False):
+        with torch.autocast(self.weight.device.type, dtype=torch.bfloat16, enabled=False):  # dtype given: never read from thread state
             return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -73,7 +77,7 @@ class LMHead:
 
     def target_logits(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """[T] exact logits of ``targets`` [T] int64 (``hidden`` [T, H]), in the weight's dtype."""
-        with torch.autocast(self.weight.device.type, enabled=False):
+        with torch.autocast(self.weight.device.type, dtype=torch.bfloat16, enabled=False):  # dtype given: never read from thread state
             return (hidden.to(self.weight.dtype) * self.weight[targets]).sum(-1)
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -72,16 +72,16 @@ class HFPolicy(PolicyBackend):
         so = self._cfg.dataplane.storage_options
         if with_optimizer:
             checkpoint.require_trainer_state(version.path, version.step, so)
-        folder = checkpoint.local_copy(version.path, so, require_complete=version.step > 0)
-        if self._model is None or self._version != version.step:
-            self._model = load_model(folder)
-            self._optimizer = self._scheduler = self._optimizer_version = None
-            self._version = version.step
-        if with_optimizer:
-            self._optimizer, self._scheduler = make_optimizer(self._model, self._cfg)
-            if version.step != 0:
-                checkpoint.load_trainer_state(folder, self._optimizer, self._scheduler)
-            self._optimizer_version = version.step
+        with checkpoint.local_folder(version.path, so, require_complete=version.step > 0) as folder:
+            if self._model is None or self._version != version.step:
+                self._model = load_model(folder)
+                self._optimizer = self._scheduler = self._optimizer_version = None
+                self._version = version.step
+            if with_optimizer:
+                self._optimizer, self._scheduler = make_optimizer(self._model, self._cfg)
+                if version.step != 0:
+                    checkpoint.load_trainer_state(folder, self._optimizer, self._scheduler)
+                self._optimizer_version = version.step
 
     def save_checkpoint(self, url: str, *, trainer_state: Any | None = None) -> str:
         from rl import checkpoint

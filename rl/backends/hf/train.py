@@ -5,6 +5,7 @@ clipping, AdamW step with warmup. Owns the optimizer; the loss maths is `rl.loss
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from rl.config import GRPOConfig
 from rl.backends.hf.logprobs import forward_logprobs
 from rl.filters import seq_mult_prob_error
-from rl.loss import LossInputs, clipped_pg_loss_with, loss_mask
+from rl.loss import LossInputs, accumulate, clipped_pg_loss_with, loss_mask
 from rl.precision import autocast
 
 
@@ -208,8 +209,7 @@ def train_on_batch(
                     loss.backward()
                     seq_errors.append(errors.cpu())
                     step_loss += float(loss.detach())
-                    for k, v in sums.items():
-                        totals[k] = totals.get(k, 0.0) + float(v)
+                    accumulate(totals, sums)
             distributed.all_reduce_gradients(model.parameters())  # sum over ranks: the whole update's gradient
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
@@ -229,13 +229,13 @@ def combine_step_metrics(ranks: list[tuple[dict[str, float], list[float], torch.
     in rank order: sums over all ranks' tokens divided by the global valid tokens, never a mean of rank means."""
     totals: dict[str, float] = {}
     for part, *_ in ranks:
-        for k, v in part.items():
-            totals[k] = totals.get(k, 0.0) + v
+        accumulate(totals, part)
     losses = [sum(r[1][g] for r in ranks) for g in range(len(ranks[0][1]))]  # each update's loss: globally normalized
     errors = torch.cat([r[2] for r in ranks])
     errors = errors if errors.numel() else torch.ones(1)
     toks = max(totals.pop("valid_toks", 0.0), 1.0)
-    metrics = {k: v / toks for k, v in totals.items()}
+    metrics = {k: v / toks for k, v in totals.items() if not k.endswith(("_max", "_min"))}
+    metrics.update({k: v if math.isfinite(v) else math.nan for k, v in totals.items() if k.endswith(("_max", "_min"))})  # no valid token: nan
     metrics.update(
         max_seq_mult_prob_error=float(errors.max()),
         mean_seq_mult_prob_error=float(errors.mean()),

@@ -233,7 +233,7 @@ def float32_lm_head(layer: torch.nn.Module) -> None:
     forward = layer.forward
 
     def head(input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=input_.device.type, enabled=False):
+        with torch.autocast(device_type=input_.device.type, dtype=torch.bfloat16, enabled=False):  # dtype given: never read from thread state
             return forward(input_.float(), *args, **kwargs)
 
     layer.forward = head  # type: ignore[method-assign]

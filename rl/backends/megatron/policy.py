@@ -167,16 +167,16 @@ class MegatronPolicy(PolicyBackend):
         so = self._cfg.dataplane.storage_options
         if with_optimizer:
             checkpoint.require_trainer_state(version.path, version.step, so)
-        folder = checkpoint.local_copy(version.path, so, require_complete=version.step > 0)
-        if self._model is None or self._version != version.step:
-            self._model = self._build(folder)
-            self._optimizer = self._scheduler = self._optimizer_version = self._gathered = None
-            self._version = version.step
-        if with_optimizer:
-            self._optimizer, self._scheduler = make_optimizer(self._model, self._cfg)
-            if version.step != 0:
-                checkpoint.load_trainer_state(folder, self._optimizer, self._scheduler, shard=self._shard)
-            self._optimizer_version = version.step
+        with checkpoint.local_folder(version.path, so, require_complete=version.step > 0) as folder:
+            if self._model is None or self._version != version.step:
+                self._model = self._build(folder)
+                self._optimizer = self._scheduler = self._optimizer_version = self._gathered = None
+                self._version = version.step
+            if with_optimizer:
+                self._optimizer, self._scheduler = make_optimizer(self._model, self._cfg)
+                if version.step != 0:
+                    checkpoint.load_trainer_state(folder, self._optimizer, self._scheduler, shard=self._shard)
+                self._optimizer_version = version.step
 
     def prepare_checkpoint(self, *, with_trainer_state: bool) -> None:
         """Gather the whole model (HF names) and, with ``with_trainer_state``, every shard's optimizer state onto rank 0
@@ -377,7 +377,7 @@ class MegatronPolicy(PolicyBackend):
         from rl import distributed
         from rl.backends.hf.train import combine_step_metrics, step_batch
         from rl.filters import seq_mult_prob_error
-        from rl.loss import loss_mask
+        from rl.loss import accumulate, loss_mask
 
         cfg, model, optimizer = self._cfg, self.model, self._optimizer
         assert optimizer is not None
@@ -401,7 +401,7 @@ class MegatronPolicy(PolicyBackend):
             for o in outs if reports else ():
                 step_loss += float(o["loss"])
                 for k, v in o["sums"].items():
-                    totals[k] = totals.get(k, 0.0) + float(v)
+                    accumulate(totals, {k: v})
             if reports and rows.batch_size[0]:  # every context-parallel rank: _assemble gathers over them
                 prev = rows[F.PREV_LOGPROBS] if F.PREV_LOGPROBS in rows.keys() else self._assemble(rows, [o["logprobs"] for o in outs])
                 if first_cp:

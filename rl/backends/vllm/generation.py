@@ -137,14 +137,15 @@ class VLLMGeneration(GenerationBackend):
 
     # --------------------------------------------------------------------------------------- interface
     def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        from rl.checkpoint import local_copy
+        from rl.checkpoint import local_copy, local_folder
 
         if weights is None:
-            folder = local_copy(version.path, self._cfg.dataplane.storage_options, require_complete=version.step > 0)
-            if self._llm is None:
-                self._start(folder)
+            so = self._cfg.dataplane.storage_options
+            if self._llm is None:  # the engine keeps reading its model folder: a copy of a remote one stays
+                self._start(local_copy(version.path, so, require_complete=version.step > 0))
             else:
-                self._reload(weights_iterator=_checkpoint_weights(folder))
+                with local_folder(version.path, so, require_complete=version.step > 0) as folder:
+                    self._reload(weights_iterator=_checkpoint_weights(folder))
         else:
             if self._llm is None:
                 self._start(self._model_path)

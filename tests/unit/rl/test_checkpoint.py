@@ -275,6 +275,20 @@ def test_a_verified_copy_loads_the_saved_weights_and_trainer_state(store):
     assert _same_weights(loaded.state_dict(), _trained(1)[0].state_dict())
 
 
+def test_local_folder_removes_its_copy_of_a_remote_checkpoint_and_leaves_a_local_one(store):
+    from pathlib import Path
+
+    root, so = store
+    url = f"{root}/{RUN}/checkpoints/step_000001"
+    _save(url, so, seed=1)
+    with checkpoint.local_folder(url, so, require_complete=True) as folder:
+        assert (Path(folder) / "model.safetensors").is_file()
+    remote = "://" in root
+    assert Path(folder).exists() is not remote  # a copy of S3 is gone; the local folder is the checkpoint itself
+    if not remote:
+        assert Path(folder) == Path(url)
+
+
 # ----------------------------------------------------------- 3. listing, resume fallback, complete-only loads
 def test_stray_names_under_checkpoints_are_ignored(store):
     root, so = store

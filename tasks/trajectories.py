@@ -1,0 +1,227 @@
+"""A step's rollout batch in the data plane: generating it, finding it again (sealed), and the in-process trajectory
+collector that generates later steps in the background while a local run trains (async GRPO).
+
+On a cluster the Flyte DAG gives the overlap (``workflows/grpo.py``: the rollout of step k waits only for the policy
+of step k - a); in one process the tasks run one after another, so :class:`TrajectoryCollector` generates on a thread
+of its own and the rollout task takes its batch from the replay buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from dataplane.meta import KVBatchMeta
+from rl.async_grpo import ReplayBuffer, Trajectories, generation_version, target_steps, trajectory_age
+from rl.backends.interfaces import GenerationBackend, PolicyVersion
+from rl.config import GRPOConfig
+from tasks.types import RunInfo
+
+
+def generate_batch(cfg: GRPOConfig, run: RunInfo, generator: GenerationBackend, step: int) -> KVBatchMeta:
+    """Generate, score and write the B groups of ``step`` with the weights ``generator`` holds (its
+    ``weight_version`` is recorded per sample), then seal the partition so that a later process finds it.
+
+    Returns:
+        the batch's meta, with its rollout metrics (``rollout/*``: ``avg_trajectory_age``, ``weight_version`` too) in
+        ``extra_info``.
+    """
+    from dataplane import paths
+    from rl.rollout import STEP_SCHEMA, sample_step, to_columns
+    from tasks import runtime
+
+    g = cfg.grpo.num_generations_per_prompt
+    version = generator.weight_version
+    assert version is not None
+    groups, sample_mask, metrics = sample_step(generator, runtime.tokenizer(run.model_path), cfg, step=step)
+    columns = to_columns(groups, sample_mask, group_size=g, weight_version=version)
+    dp = runtime.dataplane(cfg, run)
+    partition = paths.step_partition(step)
+    dp.register_partition(partition, fields=STEP_SCHEMA, consumers=["prev_lp", "ref_lp", "train"])
+    meta = dp.put(partition, columns, group_size=g, task_name="rollout", id_key="rollout")
+    info = {f"rollout/{k}": v for k, v in metrics.items()}
+    info["rollout/avg_trajectory_age"] = float(trajectory_age(step, version))
+    info["rollout/weight_version"] = float(version)
+    meta = meta.with_extra_info(**info).stamp_pad_seqlen()
+    dp.seal(meta)
+    return meta
+
+
+def buffered_batch(cfg: GRPOConfig, run: RunInfo, step: int) -> KVBatchMeta | None:
+    """``step``'s sealed batch if the data plane holds one young enough for the age bound (a resumed run finds the
+    batches generated before it stopped); a batch too old for the bound is evicted (cleared). None: none usable."""
+    from dataplane import paths
+    from tasks import runtime
+
+    dp = runtime.dataplane(cfg, run)
+    partition = paths.step_partition(step)
+    meta = dp.sealed(partition)
+    if meta is None:
+        return None
+    version = int(meta.extra_info["rollout/weight_version"])
+    age = trajectory_age(step, version)
+    if 0 <= age <= cfg.grpo.max_trajectory_age_steps:
+        print(f"[grpoflow] step {step}: taking the batch buffered in the data plane (weight version {version}, age {age})", flush=True)
+        return meta
+    dp.clear(partition)
+    print(f"[grpoflow] step {step}: evicted a buffered batch {age} steps old (bound {cfg.grpo.max_trajectory_age_steps})", flush=True)
+    return None
+
+
+class TrajectoryCollector:
+    """Generates the rollouts of steps ``start_step + 1 ..`` on a background thread, each with the weight version
+    :func:`rl.async_grpo.generation_version` gives it, as soon as that version is published, into the data plane and
+    a :class:`ReplayBuffer` (NeMo-RL's ``AsyncTrajectoryCollector``, ``reference/seeds/trajectory_collector.txt``).
+
+    Versions arrive by :meth:`set_weight_version`: the train task of this process publishes each new policy with a copy
+    of its weights (a collector runs only where the trainer is in the same process: one rank, warm tasks). Only
+    published versions are used, never a folder found on storage (a killed run may have left newer ones behind).
+    :meth:`prepare_for_refit` / :meth:`resume_after_refit` bracket another user of the generation back-end (a
+    validation): no new batch starts, the one in flight finishes first.
+
+    Args:
+        cfg: the run's config (``grpo.max_trajectory_age_steps`` = a).
+        run: the run; ``run.start_step`` and ``run.start_policy_path`` are the first version.
+        generator: the generation back-end this collector drives (shared with validation, see above).
+        produce: ``(generator, step) -> meta``: generate and write one step's batch (default :func:`generate_batch`).
+        reuse: ``step -> meta or None``: a batch already in the data plane (default :func:`buffered_batch`).
+    """
+
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        run: RunInfo,
+        generator: GenerationBackend,
+        *,
+        produce: Callable[[GenerationBackend, int], KVBatchMeta] | None = None,
+        reuse: Callable[[int], KVBatchMeta | None] | None = None,
+    ) -> None:
+        self.max_age = cfg.grpo.max_trajectory_age_steps
+        self.start_step = run.start_step
+        self.max_num_steps = cfg.grpo.max_num_steps
+        self.buffer = ReplayBuffer(self.max_age)
+        self._generator = generator
+        self._produce = produce or (lambda gen, step: generate_batch(cfg, run, gen, step))
+        self._reuse = reuse or (lambda step: buffered_batch(cfg, run, step))
+        self._cond = threading.Condition()
+        self._versions: dict[int, tuple[PolicyVersion, dict[str, torch.Tensor] | None]] = {
+            run.start_step: (PolicyVersion(step=run.start_step, path=run.start_policy_path), None)
+        }
+        self._paused = False
+        self._busy = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._collection_loop, name="trajectory-collector", daemon=True)
+
+    # ---------------------------------------------------------------- control
+    def start_collection(self) -> TrajectoryCollector:
+        self._thread.start()
+        return self
+
+    def set_weight_version(self, version: PolicyVersion, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Publish the policy of ``version.step``; ``weights`` (HF names) are copied now, so the trainer may move on."""
+        if self.max_age and not target_steps(version.step, self.max_age, self.start_step, self.max_num_steps):
+            weights = None  # no step left to generate with it
+        copy = None if weights is None else {k: v.detach().to("cpu", copy=True) for k, v in weights}
+        with self._cond:
+            self._versions[version.step] = (version, copy)
+            self._cond.notify_all()
+
+    def pause(self) -> None:
+        """No new batch starts until :meth:`resume`; one in flight goes on."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def prepare_for_refit(self) -> None:
+        """Pause, then wait until the batch in flight (if any) is written: the generation back-end is free."""
+        with self._cond:
+            self._paused = True
+            while self._busy:
+                self._cond.wait()
+
+    def resume_after_refit(self) -> None:
+        """Resume after :meth:`prepare_for_refit`; the next batch refits the back-end to its own version first."""
+        self.resume()
+
+    def stop(self) -> None:
+        """End the thread after the batch in flight (it is written; later ones are not generated)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def take(self, step: int, *, timeout: float | None = None) -> Trajectories:
+        """Step ``step``'s batch, waiting until it is generated; batches no later step may use are evicted first.
+
+        Raises:
+            RuntimeError: the collector failed generating a step (naming it; its error is the cause) or was stopped.
+            TimeoutError: nothing within ``timeout`` seconds.
+        """
+        self.buffer.evict(step)
+
+        def alive() -> None:
+            if not self._thread.is_alive():
+                msg = f"the trajectory collector stopped before it generated step {step}"
+                raise RuntimeError(msg)
+
+        return self.buffer.take(step, timeout=timeout, poll=alive)
+
+    # ---------------------------------------------------------------- the thread
+    def _collection_loop(self) -> None:
+        step = self.start_step
+        try:
+            for step in range(self.start_step + 1, self.max_num_steps + 1):
+                version = generation_version(step, self.max_age, self.start_step)
+                if not self._wait_for(version):
+                    return
+                t0 = time.time()
+                meta = self._reuse(step)
+                if meta is None:
+                    self._refit(version)
+                    meta = self._produce(self._generator, step)
+                    version_used = version
+                else:
+                    version_used = int(meta.extra_info["rollout/weight_version"])
+                self._forget_before(version)
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+                self.buffer.add(Trajectories(step=step, weight_version=version_used, meta=meta, generation_s=time.time() - t0))
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+            failure = RuntimeError(f"the trajectory collector failed generating step {step}: {type(err).__name__}: {err}")
+            failure.__cause__ = err
+            self.buffer.fail(failure)
+
+    def _wait_for(self, version: int) -> bool:
+        """Block until ``version`` is published and the collector is not paused, then mark a batch in flight. False:
+        stopped."""
+        with self._cond:
+            while self._stop or version not in self._versions or self._paused:
+                if self._stop:
+                    return False
+                self._cond.wait()
+            self._busy = True
+            return True
+
+    def _refit(self, version: int) -> None:
+        if self._generator.weight_version == version:
+            return
+        policy, weights = self._versions[version]
+        self._generator.refit(policy, weights=None if weights is None else weights.items())
+
+    def _forget_before(self, version: int) -> None:
+        """Drop the weight copies of versions older than ``version``: no later step generates with them."""
+        with self._cond:
+            for v in [v for v in self._versions if v < version]:
+                del self._versions[v]
