@@ -71,7 +71,7 @@ def _run(cfg, *, snapshots: list, attempts: list | None = None):
 def _state(cfg, run) -> dict[str, str]:
     """Everything under the run's data plane folder once its garbage is collected: relative path -> content
     digest, with what legitimately differs between two runs normalized (run ids, write-attempt nonces, commit
-    timestamps, the MLflow run id)."""
+    timestamps, the MLflow run id, generation timings in a sealed batch's meta)."""
     from dataplane.client import DataPlane
 
     DataPlane(cfg.dataplane.root, run.run_id).collect_garbage()
@@ -84,6 +84,10 @@ def _state(cfg, run) -> dict[str, str]:
             doc = json.loads(data)
             doc.pop("created_unix_ns")
             doc["file"] = re.sub(r"-[0-9a-f]{8}\.parquet$", ".parquet", doc["file"])
+            data = json.dumps(doc, sort_keys=True).encode()
+        if path.name == "_sealed.json":  # the batch's meta: its rollout metrics include generation timings
+            doc = json.loads(data)
+            doc["extra_info"] = {k: v for k, v in doc["extra_info"].items() if k not in ("rollout/generation_time_s", "rollout/generated_tokens_per_s")}
             data = json.dumps(doc, sort_keys=True).encode()
         if path.name == "_COMPLETE":  # the manifest: its digest of state.json covers the MLflow run id
             doc = json.loads(data)
