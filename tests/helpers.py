@@ -73,3 +73,25 @@ def kill_when(cfg: dict, ready: Callable[[], object], timeout: float = 600) -> P
     proc.wait()
     (run_dir,) = [p for p in Path(cfg["dataplane"]["root"]).iterdir() if p.is_dir()]
     return run_dir
+
+
+def grouped_batch(n: int, width: int, prompt: int, seed: int = 0) -> dict:
+    """A random right-padded training batch of ``n`` rows in groups of 4 that share their first ``prompt`` tokens (the
+    prompt; the rest is the response), with advantages and logprobs: what the logprob and update paths read."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(prompt + 2, width + 1, (n,), generator=g)  # [n]
+    ids = torch.randint(3, 1000, (n, width), generator=g)  # [n, S]
+    ids[:, :prompt] = ids[::4, :prompt].repeat_interleave(4, 0)[:n]  # groups of 4 share their prompt
+    pos = torch.arange(width)[None]
+    valid = pos < lengths[:, None]  # [n, S]
+    return {
+        "input_ids": torch.where(valid, ids, 2),
+        "input_lengths": lengths,
+        "token_mask": valid & (pos >= prompt),
+        "sample_mask": torch.ones(n, dtype=torch.bool),
+        "advantages": torch.randn(n, 1, generator=g).expand(n, width).contiguous(),
+        "generation_logprobs": -torch.rand(n, width, generator=g),
+        "reference_policy_logprobs": -torch.rand(n, width, generator=g) - 0.5,
+    }

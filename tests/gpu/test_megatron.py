@@ -42,7 +42,7 @@ def _batch(tok) -> dict[str, torch.Tensor]:
     rows, masks = [], []
     for prompt, response in TEXTS:
         p = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        p = list(p["input_ids"] if isinstance(p, dict) else p)
+        p = list(p["input_ids"] if hasattr(p, "keys") else p)  # a BatchEncoding is no dict
         r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         rows.append(p + r)
         masks.append([False] * len(p) + [True] * len(r))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from rl.backends.hf.lm_head import lm_head
+from rl.backends.hf.lm_head import LMHead, lm_head
 from rl.backends.interfaces import Generated
 from rl.backends.hf.logprobs import hidden_states
-from rl.precision import autocast, device_of
+from rl.precision import autocast, device_of, on_accelerator, to_device
 
 
 def _group_size(prompts: list[list[int]]) -> int:
@@ -45,12 +45,12 @@ def sample_next(
     as ``torch.multinomial``, which on CPU spends ~78 ms per [64, 49152] call drawing an exponential per entry.
 
     Args:
-        logits: [n, V] float32 next-token logits.
+        logits: [n, V] float32 next-token logits, on any device (the draws happen there).
         temperature: logits are divided by it (ignored when ``greedy``).
         top_p: nucleus sampling mass (1.0 = off); the logprob stays that of the temperature-scaled distribution
             before truncation, as in NeMo-RL / vLLM ``generation_logprobs``.
         greedy: argmax; the logprob is that of the unscaled distribution.
-        generator: source of the uniforms (a CPU generator for CPU logits); None: torch's global generator.
+        generator: source of the uniforms, on the logits' device; None: torch's global generator.
 
     Returns:
         ``(tokens [n] int64, logprobs [n] float32)``.
@@ -82,9 +82,10 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     greedy: bool = False,
-    batch_size: int = 64,
+    batch_size: int | None = None,
     precision: str = "auto",
     generator: torch.Generator | None = None,
+    cuda_graphs: bool = False,
 ) -> Generated:
     """Generate one completion per prompt (repeat a prompt G times, consecutively, for a group).
 
@@ -94,6 +95,11 @@ def generate(
     (``cumsum(attention_mask) - 1``), so a left-padded prompt is encoded exactly as it is alone, and as the
     right-padded training forward encodes it.
 
+    Device: the prompts are copied to the model's device once per decode batch; sampling, masks, positions and the
+    output buffers stay there, and the completions come back in one copy at the end. On the CPU a finished row leaves
+    the batch at once; on a GPU the loop reads how many rows are open only every :data:`SYNC_EVERY` tokens (each read
+    waits for the device), so a finished row may run up to that many extra steps, its tokens discarded.
+
     Args:
         model: causal LM (eval mode) whose forward takes ``past_key_values`` and ``position_ids``.
         tokenizer: its tokenizer (pad and eos ids are used).
@@ -101,37 +107,138 @@ def generate(
         max_new_tokens: most tokens per completion.
         temperature, top_p: sampling; ignored when ``greedy``.
         greedy: argmax decoding (validation).
-        batch_size: sequences per decode batch (rounded down to whole groups).
+        batch_size: sequences per decode batch (rounded down to whole groups); None: :func:`default_batch_size`.
         precision: ``auto``, ``bfloat16`` or ``float32`` (see :func:`rl.precision.autocast`).
-        generator: a CPU ``torch.Generator`` that all sampling draws from (None: torch's global generator).
+        generator: a ``torch.Generator`` on the model's device that all sampling draws from (None: torch's global
+            generator); the same seed gives the same completions on the same device.
+        cuda_graphs: decode on a static KV cache with the one-token step captured as a CUDA graph
+            (`rl.backends.hf.static_decode`); on a device other than CUDA the static loop runs without a graph. Only
+            for a model stored in its compute dtype (the GPU's bf16 generation copy); otherwise the dynamic loop runs.
 
     Returns:
-        :class:`Generated`.
+        :class:`Generated`, on the host.
     """
-    eos = tokenizer.eos_token_id
+    from rl.backends.hf.static_decode import decode_static, stored_in_compute_dtype
+
     g = _group_size(prompts)
-    step = max(g, batch_size // g * g)
+    longest = max((len(p) for p in prompts), default=0) + max_new_tokens
+    step = max(g, (batch_size or default_batch_size(model, longest)) // g * g)
     out = Generated([], [], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), [])
     p_lens, r_lens, trunc = [], [], []
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
-        new, lp, lengths, finished = _decode(
-            model, chunk, g, pad_id=tokenizer.pad_token_id, eos_id=eos, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, greedy=greedy, precision=precision, generator=generator,
-        )
+        sampling = {"temperature": temperature, "top_p": top_p, "greedy": greedy, "precision": precision, "generator": generator}
+        ends = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "max_new_tokens": max_new_tokens}
+        if cuda_graphs and stored_in_compute_dtype(model, precision):
+            new, lp, lengths, finished = decode_static(model, chunk, **ends, **sampling, graph=device_of(model).type == "cuda")
+        else:
+            new, lp, lengths, finished = _decode(model, chunk, g, **ends, **sampling)  # host tensors
+        ids, r_list = new.tolist(), lengths.tolist()
         for i, p in enumerate(chunk):
-            r = int(lengths[i])
-            out.input_ids.append(torch.cat([torch.tensor(p, dtype=torch.int64), new[i, :r]]))
+            r = r_list[i]
+            out.input_ids.append(torch.tensor([*p, *ids[i][:r]], dtype=torch.int64))
             out.generation_logprobs.append(torch.cat([torch.zeros(len(p)), lp[i, :r]]))
             out.token_mask.append(torch.cat([torch.zeros(len(p), dtype=torch.bool), torch.ones(r, dtype=torch.bool)]))
-            out.response_token_ids.append(new[i, :r].tolist())
+            out.response_token_ids.append(ids[i][:r])
             p_lens.append(len(p))
-            r_lens.append(r)
-            trunc.append(not bool(finished[i]))
+        r_lens += r_list
+        trunc += (~finished).tolist()
     out.prompt_lengths = torch.tensor(p_lens, dtype=torch.int64)
     out.response_lengths = torch.tensor(r_lens, dtype=torch.int64)
     out.truncated = torch.tensor(trunc, dtype=torch.bool)
     return out
+
+
+SYNC_EVERY = 4
+"""Decode steps between two reads of the open-row count on a GPU (on the CPU: every step)."""
+CPU_BATCH_SIZE = 64
+"""Sequences per decode batch on the CPU: 64 x 32 new tokens of SmolLM2-135M measured fastest on 2 cores."""
+MAX_DEVICE_BATCH_SIZE = 4096
+
+
+def default_batch_size(model: torch.nn.Module, longest: int) -> int:
+    """Sequences per decode batch when ``generation.batch_size`` is not set: :data:`CPU_BATCH_SIZE` on the CPU; on a
+    CUDA GPU as many as half its free memory holds (at most :data:`MAX_DEVICE_BATCH_SIZE`), counting per sequence its
+    KV cache of ``longest`` tokens (2 x layers x key-value heads x head dim x element size) and four float32 [V] rows
+    of sampling work (logits, log-softmax, probabilities, their cumulative sum); 512 on another accelerator."""
+    device = device_of(model)
+    if not on_accelerator(device):
+        return CPU_BATCH_SIZE
+    if device.type != "cuda":
+        return 512
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    elem = torch.finfo(next(model.parameters()).dtype).bits // 8
+    per_row = 2 * c.num_hidden_layers * heads * head_dim * elem * longest + 4 * 4 * c.vocab_size
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(max(CPU_BATCH_SIZE, min(MAX_DEVICE_BATCH_SIZE, free // 2 // per_row)))
+
+
+def one_token_masks_apply(model: torch.nn.Module, longest: int) -> bool:
+    """Whether a decode step's 4D mask may be built by :func:`_one_token_mask`: the model attends to every past token
+    (no sliding window shorter than ``longest``) through eager or SDPA attention."""
+    window = getattr(model.config, "sliding_window", None)
+    return model.config._attn_implementation in ("eager", "sdpa") and (window is None or window >= longest)
+
+
+def one_token_mask(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """The [m, 1, 1, L] attention mask of a one-token decode step from its [m, L] padding mask: the query attends to
+    every real key, so causality adds nothing. Transformers takes a 4D mask as it is; from a 2D one its SDPA path
+    decides whether to skip the mask by reading the mask's values on the host, which waits for the GPU every token.
+    Bool for SDPA; additive (0 or the dtype's minimum, as transformers' eager mask) for eager attention."""
+    keep = mask.bool()[:, None, None, :]  # [m, 1, 1, L]
+    if model.config._attn_implementation == "sdpa":
+        return keep
+    dtype = model.get_input_embeddings().weight.dtype
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
+
+
+class Completions:
+    """The output buffers of a decode batch on its device, filled token by token, copied to the host once.
+
+    Attributes:
+        tokens: [n, T] int64, pad after a row's eos (and for rows still to decode).
+        logprobs: [n, T] float32, 0 where ``tokens`` is pad.
+        lengths: [n] int64 response lengths, eos counted (T for a row that never produced it).
+        finished: [n] bool, True where the row produced eos.
+    """
+
+    def __init__(self, n: int, t_max: int, *, pad_id: int, eos_id: int, device: torch.device) -> None:
+        self.pad_id, self.eos_id = pad_id, eos_id
+        self.tokens = torch.full((n, t_max), pad_id, dtype=torch.int64, device=device)  # [n, T]
+        self.logprobs = torch.zeros(n, t_max, device=device)  # [n, T]
+        self.lengths = torch.full((n,), t_max, dtype=torch.int64, device=device)  # [n]
+        self.finished = torch.zeros(n, dtype=torch.bool, device=device)  # [n]
+
+    def record(self, rows: torch.Tensor, t: int, nxt: torch.Tensor, lp: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Store token ``t`` of ``rows`` (their draws ``nxt`` and logprobs ``lp``, [m] each) where ``live`` ([m] bool,
+        still open); returns the new ``live``: without the rows that produced eos. No device sync."""
+        self.tokens[rows, t] = torch.where(live, nxt, self.pad_id)
+        self.logprobs[rows, t] = torch.where(live, lp, 0.0)
+        done = live & (nxt == self.eos_id)  # [m]
+        self.lengths[rows] = torch.where(done, t + 1, self.lengths[rows])
+        self.finished[rows] = self.finished[rows] | done
+        return live & ~done
+
+    def to_host(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tokens, logprobs, lengths, finished)`` on the host, cut to the longest response."""
+        lengths = self.lengths.cpu()
+        width = int(lengths.max()) if len(lengths) else 0
+        return self.tokens.cpu()[:, :width], self.logprobs.cpu()[:, :width], lengths, self.finished.cpu()
+
+
+def next_tokens(
+    head: LMHead, hidden: torch.Tensor, logits: torch.Tensor, *, temperature: float, top_p: float, greedy: bool,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_next` on ``logits`` ([m, V], from ``hidden`` [m, H]), with the sampled token's logprob made exact
+    where the head runs in bf16 (its logit recomputed as the training forward computes it: `rl.backends.hf.lm_head`)."""
+    nxt, lp = sample_next(logits, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)  # [m] each
+    if head.corrected:
+        exact = head.target_logits(hidden, nxt) - logits.gather(1, nxt[:, None]).squeeze(1)
+        lp = lp + exact.to(lp.dtype) / (1.0 if greedy else temperature)
+    return nxt, lp
 
 
 def _decode(
@@ -148,55 +255,47 @@ def _decode(
     precision: str,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode ``prompts`` (runs of ``g`` identical ones) and return ``(tokens [n, T] int64, logprobs [n, T]
-    float32, response lengths [n] int64 with eos counted, finished [n] bool)``; T <= ``max_new_tokens``."""
+    """Decode ``prompts`` (runs of ``g`` identical ones) on the model's device, with a dynamic KV cache that finished
+    rows leave; returns :meth:`Completions.to_host`."""
     from transformers import DynamicCache
 
     device = device_of(model)
-    n = len(prompts)
-    ids, attn = _left_pad(prompts[::g], pad_id)  # [n/g, P] each
+    check_every = SYNC_EVERY if on_accelerator(device) else 1
+    n, t_max = len(prompts), max_new_tokens
+    ids, attn = _left_pad(prompts[::g], pad_id)  # [n/g, P] each, host
     pos = (attn.cumsum(-1) - 1).clamp_(min=0)  # [n/g, P] positions of real tokens
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.int64)  # [n, T]
-    logprobs = torch.zeros(n, max_new_tokens)  # [n, T]
-    lengths = torch.full((n,), max_new_tokens, dtype=torch.int64)  # [n]
-    finished = torch.zeros(n, dtype=torch.bool)  # [n]
+    width = ids.shape[1]  # P
+    ids, attn, pos = to_device(ids, device), to_device(attn, device), to_device(pos, device)
+    out = Completions(n, t_max, pad_id=pad_id, eos_id=eos_id, device=device)
     head = lm_head(model, precision)
+    own_mask = on_accelerator(device) and one_token_masks_apply(model, width + t_max)
     # one autocast block around the whole loop: its cache casts the float32 weights to bf16 once, not per token
     with torch.no_grad(), autocast(model, precision):
         cache = DynamicCache(config=model.config)
-        if ids.shape[1] > 1:  # all but the last prompt token, once per distinct prompt (the trunk only)
-            hidden_states(
-                model, ids[:, :-1], attn[:, :-1], precision=precision, position_ids=pos[:, :-1].to(device),
-                past_key_values=cache, use_cache=True,
-            )
+        if width > 1:  # all but the last prompt token, once per distinct prompt (the trunk only)
+            hidden_states(model, ids[:, :-1], attn[:, :-1], precision=precision, position_ids=pos[:, :-1], past_key_values=cache, use_cache=True)
             if g > 1:
                 cache.batch_repeat_interleave(g)
-        rows = torch.arange(n)  # [m] rows still open, as indices into the chunk
+        rows = torch.arange(n, device=device)  # [m] rows in the batch, as indices into the chunk
+        live = torch.ones(n, dtype=torch.bool, device=device)  # [m] rows in the batch that are still open
         cur = ids[:, -1:].repeat_interleave(g, 0)  # [m, 1]
         cur_pos = pos[:, -1:].repeat_interleave(g, 0)  # [m, 1]
-        mask = attn.repeat_interleave(g, 0)  # [m, L]
-        for t in range(max_new_tokens):
+        mask = torch.cat([attn.repeat_interleave(g, 0), attn.new_ones(n, t_max)], 1)  # [m, P + T]
+        for t in range(t_max):
+            step_mask = one_token_mask(model, mask[:, : width + t]) if own_mask else mask[:, : width + t]
             hidden = hidden_states(
-                model, cur, mask, precision=precision, position_ids=cur_pos.to(device), past_key_values=cache, use_cache=True,
+                model, cur, step_mask, precision=precision, position_ids=cur_pos, past_key_values=cache, use_cache=True,
             )[:, -1]  # [m, H]
-            logits = head.logits(hidden)  # [m, V]
-            nxt, lp = sample_next(logits.cpu(), temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)  # [m] each
-            if head.corrected:  # the sampled token's exact logit, as the training forward computes it (rl.backends.hf.lm_head)
-                exact = head.target_logits(hidden, nxt.to(device)) - logits.gather(1, nxt[:, None].to(device)).squeeze(1)
-                lp = lp + exact.cpu().to(lp.dtype) / (1.0 if greedy else temperature)
-            tokens[rows, t] = nxt
-            logprobs[rows, t] = lp
-            done = nxt == eos_id  # [m]
-            lengths[rows[done]] = t + 1
-            finished[rows[done]] = True
-            if done.all():
-                break
-            if done.any():  # finished rows leave the batch and the cache
-                keep = (~done).nonzero().squeeze(1)  # [m']
-                cache.batch_select_indices(keep.to(device))
-                rows, nxt, cur_pos, mask = rows[keep], nxt[keep], cur_pos[keep], mask[keep]
+            nxt, lp = next_tokens(head, hidden, head.logits(hidden), temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
+            live = out.record(rows, t, nxt, lp, live)
+            if (t + 1) % check_every == 0:
+                left = int(live.sum())  # waits for the device
+                if left == 0:
+                    break
+                if left < len(rows):  # finished rows leave the batch and the cache
+                    keep = live.nonzero().squeeze(1)  # [m']
+                    cache.batch_select_indices(keep)
+                    rows, live, nxt, cur_pos, mask = rows[keep], live[keep], nxt[keep], cur_pos[keep], mask[keep]
             cur = nxt[:, None]
             cur_pos = cur_pos + 1
-            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], 1)
-    width = int(lengths.max()) if n else 0
-    return tokens[:, :width], logprobs[:, :width], lengths, finished
+    return out.to_host()

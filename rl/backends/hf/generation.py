@@ -10,14 +10,18 @@ import torch
 
 from rl.backends.interfaces import GenerationBackend, Generated, PolicyVersion
 from rl.config import GRPOConfig
+from rl.precision import device_generator, device_of
 
 
 class HFGeneration(GenerationBackend):
     """Generation with a Hugging Face causal LM on CPU or CUDA.
 
     The model is its own copy (not the trainer's module), so its weights stay at :attr:`weight_version` while a
-    trainer in the same process moves on. Its parameters keep ``requires_grad``: torch's autocast caches the bf16
-    casts only of such weights, so a bf16 decode casts the weights once per call instead of once per token.
+    trainer in the same process moves on. On the CPU it is float32 and runs under bf16 autocast where the precision
+    resolves to bf16; its parameters keep ``requires_grad``: torch's autocast caches the bf16 casts only of such
+    weights, so a bf16 decode casts the weights once per call instead of once per token. On a GPU the copy is stored
+    in the resolved precision (bf16 weights, half the memory and no casts, as vLLM serves them) with SDPA attention,
+    and sampling draws from a generator on the GPU seeded by each call's seed.
 
     Args:
         cfg: the run's config (``generation`` sampling settings, ``model.precision``, storage options).
@@ -55,7 +59,8 @@ class HFGeneration(GenerationBackend):
             greedy=greedy,
             batch_size=g.batch_size,
             precision=self._cfg.model.precision,
-            generator=torch.Generator().manual_seed(seed),
+            generator=device_generator(device_of(self._model), seed),
+            cuda_graphs=g.cuda_graphs and device_of(self._model).type == "cuda",
         )
 
     def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
@@ -64,12 +69,21 @@ class HFGeneration(GenerationBackend):
 
         if weights is None:
             with local_folder(version.path, self._cfg.dataplane.storage_options, require_complete=version.step > 0) as folder:
-                self._model = load_model(folder)
+                self._model = load_model(folder, dtype=self._dtype())
         else:
             if self._model is None:
-                self._model = load_model(self._model_path)
+                self._model = load_model(self._model_path, dtype=self._dtype())
             copy_weights(self._model, weights)
         self._version = version.step
+
+    def _dtype(self) -> torch.dtype:
+        """bfloat16 on a GPU where ``model.precision`` resolves to it; float32 elsewhere (the CPU keeps float32 weights
+        under autocast, which with the exact-logit LM head (`rl.backends.hf.lm_head`) matches the trainer's logprobs)."""
+        from rl.precision import resolve
+
+        if torch.cuda.is_available() and resolve(self._cfg.model.precision, "cuda") == "bfloat16":
+            return torch.bfloat16
+        return torch.float32
 
     def shutdown(self) -> bool:
         self._model, self._version = None, None
@@ -90,7 +104,7 @@ def copy_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
             if name not in own:
                 msg = f"refit weight {name!r} is not a tensor of {type(model).__name__}"
                 raise KeyError(msg)
-            own[name].copy_(value)
+            own[name].copy_(value)  # casts to the engine's dtype and device
             seen.add(own[name].data_ptr())
     missing = sorted(k for k, v in own.items() if v.data_ptr() not in seen)  # a tied tensor counts once
     if missing:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.precision import runs_bf16
+from rl.precision import autocast_off, runs_bf16
 
 EXACT_TOP_K = 8
 _LOW_WEIGHTS_KEPT = 3
@@ -62,7 +62,7 @@ class LMHead:
 
         Runs with autocast off (inside an autocast block the exact einsum would otherwise run in bf16).
         """
-        with torch.autocast(self.weight.device.type, dtype=torch.bfloat16, enabled=False):  # dtype given: never read from thread state
+        with autocast_off(self.weight.device):
             return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,7 @@ class LMHead:
 
     def target_logits(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """[T] exact logits of ``targets`` [T] int64 (``hidden`` [T, H]), in the weight's dtype."""
-        with torch.autocast(self.weight.device.type, dtype=torch.bfloat16, enabled=False):  # dtype given: never read from thread state
+        with autocast_off(self.weight.device):
             return (hidden.to(self.weight.dtype) * self.weight[targets]).sum(-1)
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

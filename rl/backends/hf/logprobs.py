@@ -1,15 +1,19 @@
 """Per-token logprobs of given sequences under a model (policy, reference policy, or the training forward).
 
 Owns the forward pass -> logprob reduction: the trunk over the padded micro-batch, the LM head (`rl.backends.hf.lm_head`)
-only over the wanted positions, packed; log_softmax over the vocabulary is never materialized.
+only over the wanted positions, packed; log_softmax over the vocabulary is never materialized. Index maths runs on the
+host, the forward on the model's device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from rl.backends.hf.lm_head import lm_head
-from rl.precision import autocast, device_of
+from rl.precision import autocast, device_of, to_device
 
 
 def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, precision: str, **kwargs) -> torch.Tensor:
@@ -24,6 +28,94 @@ def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
         return model.get_decoder()(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
         ).last_hidden_state
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Where one shared-prefix forward reads and writes: index tensors built on the host from a host micro-batch, so
+    that shaping the forward needs no device sync; :meth:`to` copies them to the model's device once.
+
+    Attributes:
+        shape: ``(M, S)`` of the micro-batch.
+        prefix_ids: [k, P] int64, each distinct prefix once (first-appearance order), right-padded with 0; None when
+            no row has a prefix.
+        prefix_mask: [k, P] int64, 1 on prefix tokens.
+        owner: [M] int64, the distinct prefix of each row.
+        suffix_ids: [M, R] int64, each row from its last prefix position (the one that predicts its first wanted
+            token) to its end, padded with 0.
+        attention_mask: [M, P + R] int64, the row's prefix mask then 1 on its live suffix positions.
+        positions: [M, R] int64, the suffix's positions in the full sequence.
+        rows, cols: [T] int64, the suffix entries whose hidden states predict a wanted token.
+        targets: [T] int64, the tokens they predict.
+        out_cols: [T] int64, where those tokens are in the [M, S] output (``positions[rows, cols] + 1``).
+    """
+
+    shape: tuple[int, int]
+    prefix_ids: torch.Tensor | None
+    prefix_mask: torch.Tensor
+    owner: torch.Tensor
+    suffix_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    targets: torch.Tensor
+    out_cols: torch.Tensor
+
+    def to(self, device: torch.device) -> ForwardPlan:
+        """This plan's tensors on ``device`` (pinned, non-blocking copies: `rl.precision.to_device`)."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shape"}
+        return ForwardPlan(shape=self.shape, **{k: None if v is None else to_device(v, device) for k, v in moved.items()})
+
+
+def plan_forward(input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor | None = None) -> ForwardPlan:
+    """The :class:`ForwardPlan` of a right-padded micro-batch; vectorized host maths, no per-row Python.
+
+    Each row splits at its first wanted token: the prefix before the position that predicts it (the prompt, for a
+    rollout) and the suffix. Rows with the same prefix (a GRPO group's G completions) share one prefix forward.
+
+    Args:
+        input_ids: [M, S] int64, right-padded (host; a device tensor is copied to the host first).
+        input_lengths: [M] int64 unpadded lengths (>= 1).
+        token_mask: [M, S] bool, the tokens whose logprobs are wanted (position 0 never is); None = all.
+    """
+    input_ids, input_lengths = input_ids.cpu(), input_lengths.cpu()
+    m, s = input_ids.shape
+    arange = torch.arange(s)[None, :]  # [1, S]
+    want = (arange < input_lengths[:, None])[:, 1:]  # [M, S-1], position t predicts token t+1
+    if token_mask is not None:
+        want = want & token_mask.cpu()[:, 1:].bool()
+    first = torch.where(want.any(1), want.int().argmax(1), 0)  # [M] first predicting position = prefix length
+    width = int(first.max()) if m else 0  # P
+    prefix_ids, owner, prefix_rows = None, torch.zeros(m, dtype=torch.int64), torch.zeros(m, 0, dtype=torch.int64)
+    prefix_mask = torch.zeros(0, 0, dtype=torch.int64)
+    if width > 0:  # each distinct prefix once, in the order rows first name it
+        inside = arange[:, :width] < first[:, None]  # [M, P]
+        keyed = torch.where(inside, input_ids[:, :width], -1)  # [M, P]; token ids are >= 0, so lengths tell apart
+        _, inverse = torch.unique(keyed, dim=0, return_inverse=True)  # [M] sorted-order id of each row's prefix
+        first_row = torch.full((int(inverse.max()) + 1,), m).scatter_reduce(0, inverse, torch.arange(m), "amin")  # [k]
+        order = first_row.argsort()  # [k] sorted id -> first-appearance rank
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))  # [k]
+        owner = rank[inverse]  # [M]
+        heads = first_row[order]  # [k] the first row of each distinct prefix
+        # right-padded, so that no query row is fully masked (in float64 that gives NaN, which the pad positions'
+        # keys would carry into the suffix); the suffix's attention mask hides the pad keys
+        prefix_mask = inside[heads].long()  # [k, P]
+        prefix_ids = input_ids[heads, :width] * prefix_mask  # [k, P]
+        prefix_rows = prefix_mask[owner]  # [M, P]
+    r = int((input_lengths - first).max()) if m else 0  # suffix width R
+    positions = first[:, None] + torch.arange(r)[None, :]  # [M, R] source positions of the suffix
+    live = positions < input_lengths[:, None]  # [M, R]
+    suffix = torch.where(live, input_ids.gather(1, positions.clamp(max=s - 1)), 0)  # [M, R]
+    # suffix position j (source position positions[i, j]) predicts token positions[i, j] + 1
+    picked = live & (positions < s - 1) & want.gather(1, positions.clamp(max=max(s - 2, 0)))  # [M, R]
+    rows, cols = picked.nonzero(as_tuple=True)  # [T] each
+    out_cols = positions[rows, cols] + 1  # [T]
+    return ForwardPlan(
+        shape=(m, s), prefix_ids=prefix_ids, prefix_mask=prefix_mask, owner=owner, suffix_ids=suffix,
+        attention_mask=torch.cat([prefix_rows, live.long()], 1), positions=positions, rows=rows, cols=cols,
+        targets=input_ids[rows, out_cols], out_cols=out_cols,
+    )
 
 
 def forward_logprobs(
@@ -45,55 +137,36 @@ def forward_logprobs(
     are those of the full sequence). The LM head (a [H, V] matmul and a [T, V] log-sum-exp) runs only on the
     wanted positions, packed into one [T, H] batch (`rl.backends.hf.lm_head`).
 
+    Device: the inputs are host tensors; their :class:`ForwardPlan` is built on the host and copied to the model's
+    device once, and everything after (forward, head, output) stays there: no device sync.
+
     Args:
         model: Hugging Face causal LM with a bias-free linear LM head (see :func:`rl.backends.hf.lm_head.lm_head`).
-        input_ids: [M, S] int64, right-padded.
-        input_lengths: [M] int64 unpadded lengths (>= 1).
+        input_ids: [M, S] int64, right-padded, on the host.
+        input_lengths: [M] int64 unpadded lengths (>= 1), on the host.
         precision: ``auto``, ``bfloat16`` or ``float32`` (see :func:`rl.precision.autocast`).
         temperature: logits are divided by it, matching the sampling distribution of generation.
-        token_mask: [M, S] bool, the tokens whose logprobs are wanted (position 0 is never computed); None = all.
+        token_mask: [M, S] bool on the host, the tokens whose logprobs are wanted (position 0 is never computed);
+            None = all.
 
     Returns:
-        [M, S] float32 (float64 for a float64 model): entry t = log p(input_ids[t] | input_ids[<t]) in nats where
-        wanted, 0 elsewhere (position 0, padding, tokens outside ``token_mask``).
+        [M, S] float32 (float64 for a float64 model) on the model's device: entry t = log p(input_ids[t] |
+        input_ids[<t]) in nats where wanted, 0 elsewhere (position 0, padding, tokens outside ``token_mask``).
     """
     from transformers import DynamicCache
 
-    m, s = input_ids.shape
-    device = device_of(model)
-    arange = torch.arange(s)[None, :]  # [1, S]
-    want = (arange < input_lengths[:, None])[:, 1:]  # [M, S-1], position t predicts token t+1
-    if token_mask is not None:
-        want = want & token_mask[:, 1:].bool()
-    first = torch.where(want.any(1), want.int().argmax(1), 0)  # [M] first predicting position = prefix length
-    prefixes = [tuple(input_ids[i, : int(first[i])].tolist()) for i in range(m)]
-    distinct: dict[tuple[int, ...], int] = {}
-    owner = torch.tensor([distinct.setdefault(p, len(distinct)) for p in prefixes])  # [M] row -> its prefix
-    cache, prefix_mask = None, torch.zeros(m, 0, dtype=torch.int64)  # [M, P]
-    if int(first.max()) > 0:  # encode each distinct prefix once, then give every row its prefix's KV cache
-        # right-padded, so that no query row is fully masked (in float64 that gives NaN, which the pad positions'
-        # keys would carry into the suffix); the suffix's attention mask hides the pad keys
-        width = max(map(len, distinct))
-        ids = torch.tensor([[*p, *(0,) * (width - len(p))] for p in distinct])  # [k, P]
-        attn = (torch.arange(width)[None, :] < torch.tensor([len(p) for p in distinct])[:, None]).long()  # [k, P]
+    p = plan_forward(input_ids, input_lengths, token_mask).to(device_of(model))
+    cache = None
+    if p.prefix_ids is not None:  # encode each distinct prefix once, then give every row its prefix's KV cache
         cache = DynamicCache(config=model.config)
-        hidden_states(model, ids, attn, precision=precision, past_key_values=cache, use_cache=True)
-        cache.batch_select_indices(owner.to(device))
-        prefix_mask = attn[owner]
-    width = int((input_lengths - first).max())  # suffix width R
-    cols = first[:, None] + torch.arange(width)[None, :]  # [M, R] source positions of the suffix
-    live = cols < input_lengths[:, None]  # [M, R]
-    suffix = torch.where(live, input_ids.gather(1, cols.clamp(max=s - 1)), 0)  # [M, R]
+        hidden_states(model, p.prefix_ids, p.prefix_mask, precision=precision, past_key_values=cache, use_cache=True)
+        cache.batch_select_indices(p.owner)
     hidden = hidden_states(
-        model, suffix, torch.cat([prefix_mask, live.long()], 1), precision=precision, position_ids=cols.to(device),
+        model, p.suffix_ids, p.attention_mask, precision=precision, position_ids=p.positions,
         past_key_values=cache, use_cache=cache is not None,
     )  # [M, R, H]
-    # suffix position j (source position cols[i, j]) predicts token cols[i, j] + 1
-    picked = live & (cols < s - 1) & want.gather(1, cols.clamp(max=s - 2))  # [M, R]
-    rows, js = picked.nonzero(as_tuple=True)  # [T] each
-    targets = input_ids[rows, cols[rows, js] + 1]  # [T]
-    lp = lm_head(model, precision).token_logprobs(hidden[rows.to(device), js.to(device)], targets.to(device), temperature).cpu()
-    return lp.new_zeros(m, s).index_put((rows, cols[rows, js] + 1), lp)  # [M, S]
+    lp = lm_head(model, precision).token_logprobs(hidden[p.rows, p.cols], p.targets, temperature)  # [T]
+    return lp.new_zeros(p.shape).index_put((p.rows, p.out_cols), lp)  # [M, S]
 
 
 def batched_logprobs(
@@ -112,13 +185,13 @@ def batched_logprobs(
         token_mask: [N, S] bool, True on response tokens: the only tokens whose logprobs are computed.
 
     Returns:
-        [N, S] float32, 0 outside ``token_mask``.
+        [N, S] float32 on the host, 0 outside ``token_mask``: computed into one device buffer, copied back once.
     """
-    out = torch.zeros(input_ids.shape, dtype=torch.float32)  # [N, S]
-    order = torch.arange(input_ids.shape[0])  # row order: a rollout's groups stay together and share their prompt
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device_of(model))  # [N, S]
     with torch.no_grad(), autocast(model, precision):  # one block: weights are cast once (when they require grad)
+        # consecutive rows: a rollout's groups stay together and share their prompt
         for a in range(0, input_ids.shape[0], batch_size):
-            rows = order[a : a + batch_size]  # [m]
+            rows = slice(a, a + batch_size)
             width = int(input_lengths[rows].max())
             out[rows, :width] = forward_logprobs(
                 model,
@@ -128,4 +201,4 @@ def batched_logprobs(
                 temperature=temperature,
                 token_mask=token_mask[rows, :width],
             ).to(out.dtype)
-    return out
+    return out.cpu()

@@ -136,7 +136,7 @@ class HFPolicy(PolicyBackend):
         """
         from rl.backends.hf.lm_head import lm_head
         from rl.backends.hf.logprobs import hidden_states
-        from rl.precision import autocast
+        from rl.precision import autocast, device_of, to_device
 
         model, precision = self.model, self._cfg.model.precision
         ids, lengths = batch[F.INPUT_IDS], batch[F.INPUT_LENGTHS]
@@ -145,21 +145,23 @@ class HFPolicy(PolicyBackend):
         if not 1 <= k <= vocab:
             msg = f"get_topk_logits: k={k} must be between 1 and the vocabulary size {vocab}"
             raise ValueError(msg)
-        values = torch.zeros(n, max(s - 1, 0), k)  # [N, S-1, k]
-        indices = torch.zeros(n, max(s - 1, 0), k, dtype=torch.int64)  # [N, S-1, k]
+        device = device_of(model)
+        values = torch.zeros(n, max(s - 1, 0), k, device=device)  # [N, S-1, k]
+        indices = torch.zeros(n, max(s - 1, 0), k, dtype=torch.int64, device=device)  # [N, S-1, k]
         mbs = micro_batch_size or self._cfg.optim.logprob_batch_size
         with torch.no_grad(), autocast(model, precision):
             head = lm_head(model, precision)
             for a in range(0, n, mbs):
-                rows = torch.arange(a, min(a + mbs, n))  # [m]
+                rows = slice(a, min(a + mbs, n))
                 width = int(lengths[rows].max())
                 attn = (torch.arange(width)[None, :] < lengths[rows, None]).long()  # [m, W]
-                hidden = hidden_states(model, ids[rows, :width], attn, precision=precision)  # [m, W, H]
+                hidden = hidden_states(model, to_device(ids[rows, :width], device), to_device(attn, device), precision=precision)  # [m, W, H]
                 live = torch.arange(width - 1)[None, :] < (lengths[rows, None] - 1)  # [m, W-1] predicts a real token
-                r, t = live.nonzero(as_tuple=True)  # [T] each
-                top = head.logits(hidden[r.to(hidden.device), t.to(hidden.device)]).topk(k, -1)  # [T, k] each
-                values[rows[r], t] = top.values.float().cpu()
-                indices[rows[r], t] = top.indices.cpu()
+                r, t = (to_device(x, device) for x in live.nonzero(as_tuple=True))  # [T] each
+                top = head.logits(hidden[r, t]).topk(k, -1)  # [T, k] each
+                values[a + r, t] = top.values.float()
+                indices[a + r, t] = top.indices
+        values, indices = values.cpu(), indices.cpu()
         return TopkLogits(topk_logits=values, topk_indices=indices)
 
     # ------------------------------------------------------------------------------------------ training

@@ -14,8 +14,8 @@ import torch
 from rl.config import GRPOConfig
 from rl.backends.hf.logprobs import forward_logprobs
 from rl.filters import seq_mult_prob_error
-from rl.loss import LossInputs, accumulate, clipped_pg_loss_with, loss_mask
-from rl.precision import autocast
+from rl.loss import LossInputs, accumulate, accumulate_on_device, clipped_pg_loss_with, loss_mask
+from rl.precision import autocast, device_of, on_accelerator, to_device
 
 
 def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -30,10 +30,16 @@ def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> tuple[torch.optim
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+_LOSS_FIELDS = ("prev_logprobs", "reference_policy_logprobs", "generation_logprobs", "advantages", "token_mask", "sample_mask")
+"""The fields of a micro-batch that the loss reads on the device (the forward reads ``input_ids`` through its plan)."""
+
+
 def _micro_batch_loss(
-    model: torch.nn.Module, cut: Mapping[str, torch.Tensor], cfg: GRPOConfig, *, global_toks: float, global_seqs: float
+    model: torch.nn.Module, cut: Any, cfg: GRPOConfig, *, global_toks: float, global_seqs: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """Forward one micro-batch and return (loss with grad, detached metric sums, [valid m] seq errors)."""
+    """Forward one host micro-batch ``cut`` on the model's device; returns (loss with grad, detached metric sums, [m]
+    sequence errors), all on the device. The loss fields are copied there once (`rl.precision.to_device`)."""
+    device = device_of(model)
     logprobs = forward_logprobs(
         model,
         cut["input_ids"],
@@ -41,20 +47,21 @@ def _micro_batch_loss(
         precision=cfg.model.precision,
         temperature=cfg.generation.temperature,
         token_mask=cut["token_mask"],
-    )  # [m, S]
-    prev = cut["prev_logprobs"] if "prev_logprobs" in cut else logprobs.detach()  # [m, S]
+    )  # [m, S] on the device
+    on = {k: to_device(cut[k], device) for k in _LOSS_FIELDS if k in cut.keys()}
+    prev = on["prev_logprobs"] if "prev_logprobs" in on else logprobs.detach()  # [m, S]
     inputs = LossInputs(
         logprobs=logprobs,
         prev_logprobs=prev,
-        reference_policy_logprobs=cut["reference_policy_logprobs"],
-        generation_logprobs=cut["generation_logprobs"],
-        advantages=cut["advantages"],
-        token_mask=cut["token_mask"],
-        sample_mask=cut["sample_mask"],
+        reference_policy_logprobs=on["reference_policy_logprobs"],
+        generation_logprobs=on["generation_logprobs"],
+        advantages=on["advantages"],
+        token_mask=on["token_mask"],
+        sample_mask=on["sample_mask"],
     )
     loss, sums = clipped_pg_loss_with(inputs, cfg.loss, global_valid_toks=global_toks, global_valid_seqs=global_seqs)
-    errors = seq_mult_prob_error(cut["generation_logprobs"], prev, cut["token_mask"])  # [m]
-    return loss, sums, errors[cut["sample_mask"].bool()]
+    errors = seq_mult_prob_error(on["generation_logprobs"], prev, on["token_mask"])  # [m]
+    return loss, sums, errors
 
 
 class _EmbeddingRows(torch.autograd.Function):
@@ -73,9 +80,8 @@ class _EmbeddingRows(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         w, ids = ctx.weight, ids.reshape(-1)
         rows = grad.reshape(-1, w.shape[1])
-        if ctx.padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient
-            keep = ids != ctx.padding_idx
-            ids, rows = ids[keep], rows[keep]
+        if ctx.padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient (zeros added, no sync)
+            rows = rows * (ids != ctx.padding_idx)[:, None].to(rows.dtype)
         if w.grad is None:
             w.grad = torch.zeros_like(w)
         w.grad.index_add_(0, ids, rows.to(w.grad.dtype))
@@ -84,9 +90,11 @@ class _EmbeddingRows(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _embedding_grads_by_row(model: torch.nn.Module) -> Iterator[None]:
-    """Inside this block the input embedding accumulates its gradient row by row (:class:`_EmbeddingRows`)."""
+    """Inside this block the input embedding accumulates its gradient row by row (:class:`_EmbeddingRows`), on the CPU.
+    On a GPU torch's own backward is kept: allocating the dense gradient is cheap there, and its sort-based kernel is
+    deterministic where ``index_add_``'s atomics are not."""
     emb = model.get_input_embeddings()
-    if type(emb) is not torch.nn.Embedding or emb.max_norm is not None or emb.scale_grad_by_freq:
+    if type(emb) is not torch.nn.Embedding or emb.max_norm is not None or emb.scale_grad_by_freq or on_accelerator(emb.weight.device):
         yield  # an embedding with its own semantics keeps torch's backward
         return
     emb.forward = lambda ids: _EmbeddingRows.apply(ids, emb.weight, emb.padding_idx)  # type: ignore[method-assign]
@@ -97,16 +105,23 @@ def _embedding_grads_by_row(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _reproducible_accumulation() -> Iterator[None]:
-    """Run the update with torch's deterministic algorithms, so that it is the same bit for bit at any thread count.
+def _reproducible_accumulation(device: torch.device | str = "cpu") -> Iterator[None]:
+    """Run a CPU update with torch's deterministic algorithms, so that it is the same bit for bit at any thread count.
 
     On CPU with more than one thread, ``index_put_(accumulate=True)`` on 32,768 or more elements (the backward of
     ``x[idx]`` with repeated indices: the prefix KV-cache select of ``forward_logprobs``, ``weight[targets]`` in
     the LM head) adds with unordered atomics, so two identical runs of the default job ended ~1 ulp apart after a
     few steps. Deterministic mode makes that kernel serial. Uninitialized memory is not filled (a cost that buys
     nothing here: nothing reads it). Both settings are process-wide and restored on exit.
+
+    On a GPU the block changes nothing: CUDA's deterministic kernels (and cuBLAS's ``CUBLAS_WORKSPACE_CONFIG``) are a
+    speed trade-off not measured yet, and with ``warn_only`` every non-deterministic kernel would only warn.
     """
     import torch.utils.deterministic as det
+
+    if on_accelerator(device):
+        yield
+        return
 
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -185,18 +200,18 @@ def train_on_batch(
     td, update_sizes = step_batch(batch, cfg, update_sizes)
     n = int(td.batch_size[0])
     mbs = cfg.optim.train_micro_batch_size
-    device = next(model.parameters()).device
-    totals: dict[str, float] = {}
-    losses, norms, seq_errors = [], [], []
+    device = device_of(model)
+    totals: dict[str, torch.Tensor] = {}  # metric sums, float64 on the device: read once, after the last update
+    losses, norms, seq_errors = [], [], []  # per update / per micro-batch, on the device
     threshold = cfg.loss.seq_logprob_error_threshold
-    with _reproducible_accumulation():  # bit-for-bit the same update at any thread count
+    with _reproducible_accumulation(device):  # bit-for-bit the same update at any thread count
         model.train()
         for rows in td.split(list(update_sizes)):
-            mask = loss_mask(rows["token_mask"], rows["sample_mask"])
+            mask = loss_mask(rows["token_mask"], rows["sample_mask"])  # host: the counts need no device sync
             counts = distributed.all_reduce(torch.stack([mask.sum().double(), rows["sample_mask"].double().sum()]))  # [2]
             global_toks, global_seqs = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
             optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
+            step_loss = torch.zeros((), dtype=torch.float64, device=device)
             # micro-batches in row order: a rollout's groups stay together and share their prompt's forward (within a
             # rank's shard: token-balanced sharding spreads a group over the ranks)
             # (rl.backends.hf.logprobs.forward_logprobs); the global normalization makes the split irrelevant to the update
@@ -204,24 +219,41 @@ def train_on_batch(
             with autocast(model, cfg.model.precision), _embedding_grads_by_row(model):
                 for mb in rows.split(mbs) if rows.batch_size[0] else ():
                     width = int(mb["input_lengths"].max())
-                    cut = mb.apply(lambda v: v[:, :width] if v.dim() == 2 else v).to(device)  # noqa: B023
+                    cut = mb.apply(lambda v: v[:, :width] if v.dim() == 2 else v)  # noqa: B023 (host; the loss copies its fields)
                     loss, sums, errors = _micro_batch_loss(model, cut, cfg, global_toks=global_toks, global_seqs=global_seqs)
                     loss.backward()
-                    seq_errors.append(errors.cpu())
-                    step_loss += float(loss.detach())
-                    accumulate(totals, sums)
+                    seq_errors.append((errors, cut["sample_mask"]))  # the mask stays on the host
+                    step_loss = step_loss + loss.detach().double()
+                    accumulate_on_device(totals, sums)
             distributed.all_reduce_gradients(model.parameters())  # sum over ranks: the whole update's gradient
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             optimizer.step()
             scheduler.step()
             losses.append(step_loss)
         model.eval()
     optimizer.zero_grad(set_to_none=True)
-    local = (totals, losses, torch.cat(seq_errors) if seq_errors else torch.zeros(0), n - int(td["sample_mask"].bool().sum()))
+    sums_, losses_, norms_, errors = _read_step(totals, losses, norms, seq_errors)  # the step's one device -> host copy
+    local = (sums_, losses_, errors, n - int(td["sample_mask"].bool().sum()))
     metrics = combine_step_metrics(distributed.gather_objects(local), masking=threshold is not None)
-    metrics.update(grad_norm=sum(norms) / len(norms), lr=float(scheduler.get_last_lr()[0]))
+    metrics.update(grad_norm=sum(norms_) / len(norms_), lr=float(scheduler.get_last_lr()[0]))
     return metrics
+
+
+def _read_step(
+    totals: dict[str, torch.Tensor], losses: list[torch.Tensor], norms: list[torch.Tensor], seq_errors: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[dict[str, float], list[float], list[float], torch.Tensor]:
+    """A step's device-side metrics on the host, in one copy: metric sums, the loss and gradient norm of each update,
+    and the [valid n] sequence errors of the samples that count (``seq_errors``: per micro-batch, [m] errors on the
+    device and the [m] host sample mask)."""
+    scalars = [*totals.values(), *losses, *(x.double().reshape(()) for x in norms)]
+    errors = torch.cat([e.double() for e, _ in seq_errors]) if seq_errors else torch.zeros(0, dtype=torch.float64)
+    valid = torch.cat([m.bool() for _, m in seq_errors]) if seq_errors else torch.zeros(0, dtype=torch.bool)
+    flat = torch.cat([torch.stack(scalars).to(errors.device), errors]).cpu().tolist() if scalars else []
+    k, u = len(totals), len(losses)
+    sums = dict(zip(totals, flat[:k]))
+    host_errors = torch.tensor(flat[k + 2 * u :], dtype=torch.float64)[valid]
+    return sums, flat[k : k + u], flat[k + u : k + 2 * u], host_errors.float()
 
 
 def combine_step_metrics(ranks: list[tuple[dict[str, float], list[float], torch.Tensor, int]], *, masking: bool) -> dict[str, float]:

@@ -21,6 +21,9 @@ import torch
 from rl.backends.interfaces import GenerationBackend, Generated, PolicyVersion
 from rl.config import GRPOConfig
 
+CPU_BATCH_SIZE = 64
+"""``max_num_seqs`` of the CPU build when ``generation.batch_size`` is not set (the transformers loop's CPU default)."""
+
 
 def request_seed(seed: int, index: int) -> int:
     """Seed of request ``index`` of a call seeded ``seed``: a 62-bit hash, so the per-completion seeds vLLM derives
@@ -98,6 +101,9 @@ class VLLMGeneration(GenerationBackend):
         cuda = torch.cuda.is_available()
         dtype = resolve(self._cfg.model.precision, "cuda" if cuda else "cpu")
         kwargs: dict[str, Any] = {"gpu_memory_utilization": v.gpu_memory_utilization} if cuda else {}
+        batch_size = self._cfg.generation.batch_size or (None if cuda else CPU_BATCH_SIZE)
+        if batch_size is not None:  # None on a GPU: vLLM's own default
+            kwargs["max_num_seqs"] = batch_size
         max_len = min(v.max_model_len, _model_max_len(folder))
         with _process_state_kept(), _werkzeug_proxies_hidden():
             self._llm = LLM(
@@ -106,7 +112,6 @@ class VLLMGeneration(GenerationBackend):
                 seed=self._cfg.grpo.seed,
                 enforce_eager=v.enforce_eager or not cuda,
                 max_model_len=max_len,
-                max_num_seqs=self._cfg.generation.batch_size,
                 enable_prefix_caching=True,
                 # a seeded request whose prefill is split across steps kills the CPU engine ("CPU Generator does
                 # not use offset"): prefills are scheduled whole, as many as fit this many tokens per step

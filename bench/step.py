@@ -1,0 +1,422 @@
+"""One whole GRPO step, phase by phase, through the back-end interfaces and the data plane on a local folder.
+
+    python -m bench.step [--model DIR | --random-shape {135M,1B}] [--tokenizer DIR] [--device {cpu,cuda}]
+        [--prompts 64] [--group 8] [--max-new-tokens 256] [--repeats 2] [--precision auto]
+        [--policy-backend transformers] [--generation-backend transformers] [--cuda-graphs] [--workdir DIR]
+        [--json PATH] [--out PATH.md]
+
+No Flyte and no MLflow in the process (it never imports ``tasks/`` or ``workflows/``): a bare CUDA machine with torch,
+transformers, pyarrow, fsspec and tensordict runs it. Steps k = 1 .. ``--repeats`` each run, timed with
+``torch.cuda.synchronize()`` before every clock read on CUDA, what the step's tasks run:
+
+1. rollout: ``rl.rollout.sample_step`` (B = ``--prompts`` chain_sum problems of step k, G = ``--group`` completions each,
+   temperature 1, scored) and the rollout task's first put (``tasks/trajectories.py``: ``to_columns``, put, seal);
+2. reference_logprobs: ``PolicyBackend.get_reference_policy_logprobs_from_meta``;
+3. advantages: ``rl.advantages.compute_advantages`` and its delta write (``tasks/advantages.py``);
+4. update: ``PolicyBackend.train_from_meta``, one on-policy update as in the default config (``tasks/train.py``);
+5. refit: ``policy.prepare_checkpoint`` (the train task's gather; a no-op for transformers), then
+   ``GenerationBackend.refit(PolicyVersion(k, ..), weights=policy.named_weights())``, the warm in-process refit of
+   ``tasks/runtime.py``. Then the step's partition is cleared (timed as data-plane ``clear``).
+Each phase includes its data-plane reads and writes; ``dataplane`` reports those seconds apart. Step 1 is a warm-up;
+the figures are medians over the later steps (token counts: the lower median).
+
+Generation tok/s = response tokens (eos included) / seconds inside ``GenerationBackend.generate``. Baseline, in the same
+process, run and freed before the back-ends load: transformers ``model.generate`` on the same prompts, each repeated G
+times and left-padded, same T, ``do_sample=True, top_k=0, top_p=1.0``, the model loaded with bf16 weights where the
+precision resolves to bf16 (a GPU; a CPU with native bf16), else float32, with ``attn_implementation="sdpa"``, warmed up once at the full timed shape; its tokens are those after the prompt
+up to and including the first eos. Update MFU = sum_i (6 N + 12 L H S_i) S_i / update seconds / peak: PaLM (arXiv
+2204.02311, appendix B) as ``bench/megatron.py`` counts it (N parameters with tied embeddings once, L layers, H hidden
+size, one forward and one backward, no recomputation), but with each row's own length S_i. It counts every row's whole
+sequence, so a back-end that shares a group's prompt forward shows a higher MFU. Peak: ``bench.megatron.peak_flops()``
+on CUDA; on CPU n/a unless ``GRPOFLOW_PEAK_TFLOPS`` is set. With ``--random-shape`` (a random Llama of
+``bench.megatron.SIZES``) eos is rare, so completions run to ``--max-new-tokens``, as a speed benchmark wants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+PHASES = ("rollout", "reference_logprobs", "advantages", "update", "refit")
+
+DATAPLANE_IO = ("register_partition", "put", "seal", "read", "read_batch", "write_columns", "clear")
+"""``DataPlane`` methods timed as data-plane I/O (``read_batch`` calls the inner ``read``: counted once)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", help="a transformers model folder (default: the converted SmolLM2-135M-Instruct)")
+    which.add_argument("--random-shape", choices=["135M", "1B"], help="a random-weight Llama of bench.megatron.SIZES")
+    p.add_argument("--tokenizer", help="tokenizer folder for --random-shape (default: SmolLM2-135M-Instruct's)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2, help="whole steps; the first is a warm-up")
+    p.add_argument("--precision", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--policy-backend", default="transformers")
+    p.add_argument("--generation-backend", default="transformers")
+    p.add_argument("--cuda-graphs", action="store_true", help="generation.cuda_graphs: static KV cache, decode step replayed as a CUDA graph")
+    p.add_argument("--workdir", help="data plane and random models (default: a temporary folder, removed at the end)")
+    p.add_argument("--json", help="append one JSON object per run to this file")
+    p.add_argument("--out", help="also write the markdown table here")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.prompts < 1 or args.group < 2 or args.max_new_tokens < 1:
+        p.error("use --repeats >= 1, --prompts >= 1, --group >= 2 and --max-new-tokens >= 1")
+    return args
+
+
+def select_device(device: str | None) -> tuple[bool, Callable[[], float]]:
+    """Hide CUDA for ``cpu`` (before torch initialises it: the back-ends use CUDA whenever it is available).
+
+    Returns:
+        ``(cuda, now)``: whether to run on CUDA, and a clock that synchronizes the device before reading the time.
+
+    Raises:
+        SystemExit: ``cuda`` without a CUDA device, or ``cpu`` after something in this process initialised CUDA.
+    """
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"bench.step: --device cuda, but torch {torch.__version__} sees no CUDA device")
+    if device == "cpu" and torch.cuda.is_available():
+        sys.exit("bench.step: --device cpu, but CUDA was initialised in this process before bench.step could hide it")
+    cuda = torch.cuda.is_available()
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    return cuda, now
+
+
+def model_path(args: argparse.Namespace, workdir: Path) -> str:
+    """``--model``, or the random Llama of ``--random-shape``, built once into ``<workdir>/models/<size>``."""
+    from rl.config import DEFAULT_MODEL
+    from rl.model import resolve_model
+
+    if not args.random_shape:
+        return args.model or resolve_model(DEFAULT_MODEL)
+    from bench.megatron import random_llama
+
+    target = workdir / "models" / args.random_shape
+    if not target.exists():  # written under a temporary name and renamed: a folder there is complete
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        random_llama(tmp, args.random_shape, args.tokenizer or resolve_model(DEFAULT_MODEL))
+        tmp.rename(target)
+    return str(target)
+
+
+def model_shape(path: str) -> dict[str, int]:
+    """N (parameters, tied ones once), L layers and H hidden size of the model at ``path``, without loading weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    return {"params": params, "layers": config.num_hidden_layers, "hidden": config.hidden_size}
+
+
+def baseline_generate(
+    path: str, prompts: list[list[int]], *, group: int, max_new_tokens: int, cuda: bool, bf16: bool, now: Callable[[], float], repeats: int,
+) -> dict[str, float]:
+    """Median tok/s of plain transformers ``model.generate`` on ``prompts`` x ``group`` (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl.model import load_tokenizer
+
+    tok = load_tokenizer(path)  # left padding
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation="sdpa")
+    model = model.to("cuda" if cuda else "cpu").eval()
+    batch = tok.pad({"input_ids": [p for p in prompts for _ in range(group)]}, padding=True, return_tensors="pt").to(model.device)
+    width = batch["input_ids"].shape[1]  # P, the padded prompt width
+    sampling = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": 1.0, "max_new_tokens": max_new_tokens}
+    rates, tokens = [], []
+    for i in range(repeats + 1):  # call 0 warms up at the full timed shape
+        torch.manual_seed(i)
+        t0 = now()
+        with torch.no_grad():
+            out = model.generate(**batch, **sampling, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # [N, P + T']
+        seconds = now() - t0
+        is_eos = out[:, width:].cpu() == tok.eos_token_id  # [N, T']
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, is_eos.shape[1])  # [N], up to and including eos
+        if i:
+            tokens.append(int(lengths.sum()))
+            rates.append(tokens[-1] / seconds)
+    del model, batch, out
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"tok_per_s": statistics.median(rates), "tokens": statistics.median_low(tokens)}
+
+
+class Timed:
+    """``inner`` with the seconds spent in its methods ``names`` added up in :attr:`seconds` (the caller resets it)."""
+
+    def __init__(self, inner: Any, names: tuple[str, ...], now: Callable[[], float]) -> None:
+        self.inner, self.names, self.now, self.seconds = inner, names, now, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name not in self.names:
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = self.now()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += self.now() - t0
+
+        return timed
+
+
+def rollout(generator: Any, tokenizer: Any, cfg: Any, dp: Any, step: int) -> tuple[Any, dict[str, float]]:
+    """Step ``step``'s B groups, scored and put into its partition (``tasks/trajectories.py`` ``generate_batch``)."""
+    from dataplane import paths
+    from rl.rollout import STEP_SCHEMA, sample_step, to_columns
+
+    g = cfg.grpo.num_generations_per_prompt
+    groups, sample_mask, metrics = sample_step(generator, tokenizer, cfg, step=step)
+    columns = to_columns(groups, sample_mask, group_size=g, weight_version=generator.weight_version)
+    partition = paths.step_partition(step)
+    dp.register_partition(partition, fields=STEP_SCHEMA, consumers=["prev_lp", "ref_lp", "train"])
+    meta = dp.put(partition, columns, group_size=g, task_name="rollout", id_key="rollout").stamp_pad_seqlen()
+    dp.seal(meta)
+    return meta, metrics
+
+
+def write_advantages(cfg: Any, dp: Any, meta: Any) -> Any:
+    """Per-sample advantages written on every token of the sample (``tasks/advantages.py`` less its metrics)."""
+    import torch
+
+    from dataplane import fields as F
+    from dataplane.codec import nested_from_values
+    from rl.advantages import compute_advantages
+
+    cols = dp.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS])
+    g = cfg.grpo
+    adv, _, _ = compute_advantages(
+        cols[F.REWARDS], cols[F.SAMPLE_MASK], group_size=g.num_generations_per_prompt,
+        leave_one_out=g.use_leave_one_out_baseline, normalize_rewards=g.normalize_rewards, advantage_clip=g.advantage_clip,
+    )  # [N]
+    lengths = cols[F.INPUT_LENGTHS]  # [N]
+    per_token = nested_from_values(torch.repeat_interleave(adv, lengths), lengths)  # [N, L_i]
+    return dp.write_columns(meta, {F.ADVANTAGES: per_token}, task_name="advantages")
+
+
+def grpo_step(step: int, *, cfg: Any, tokenizer: Any, gen: Any, policy: Any, dp: Timed, now: Callable[[], float], base: str) -> dict[str, Any]:
+    """Run and time step ``step`` (the phases of the module docstring); the policy holds version ``step - 1``."""
+    from dataplane import fields as F
+    from dataplane import paths
+    from rl.backends.interfaces import PolicyVersion
+    from rl.seeding import seed_all, step_seed
+
+    seconds: dict[str, float] = {}
+    io: dict[str, float] = {}
+
+    @contextmanager
+    def phase(name: str) -> Iterator[None]:
+        dp.seconds, t0 = 0.0, now()
+        yield
+        seconds[name], io[name] = now() - t0, dp.seconds
+
+    timed_gen = Timed(gen, ("generate",), now)
+    start = now()
+    with phase("rollout"):
+        meta, metrics = rollout(timed_gen, tokenizer, cfg, dp, step)
+    with phase("reference_logprobs"):
+        meta = policy.get_reference_policy_logprobs_from_meta(meta, dp)
+    with phase("advantages"):
+        meta = write_advantages(cfg, dp, meta)
+    wanted = [f for f in F.DP_TRAIN_FIELDS if f != F.PREV_LOGPROBS]  # on-policy: the update's own forward gives them
+    seed_all(step_seed(cfg.grpo.seed, step, "train"))
+    with phase("update"):
+        trained = policy.train_from_meta(meta, dp, fields=wanted, rows_per_update=cfg.global_batch_size)
+    with phase("refit"):  # gather the policy (megatron: shards to rank 0) and copy it in; the path is never read
+        policy.prepare_checkpoint(with_trainer_state=False)
+        gen.refit(PolicyVersion(step=step, path=base), weights=policy.named_weights())
+    with phase("clear"):
+        dp.clear(paths.step_partition(step))
+    io["clear"] = seconds.pop("clear")
+    return {
+        "step": step, "phases": seconds, "dataplane": io, "step_s": now() - start, "generation_s": timed_gen.seconds,
+        "generated_tokens": int(metrics["generated_tokens"]), "update_tokens": int(trained["total_num_tokens"]),
+        "lengths": list(meta.sequence_lengths), "reward": metrics["reward"], "loss": trained["loss"],
+    }
+
+
+def run_steps(path: str, cfg: Any, *, repeats: int, now: Callable[[], float], workdir: Path) -> list[dict[str, Any]]:
+    """Build both back-ends as ``tasks/runtime.py`` does, then run steps 1 .. ``repeats``."""
+    import uuid
+
+    from dataplane.client import DataPlane
+    from rl.backends import registry
+    from rl.backends.interfaces import PolicyVersion
+    from rl.model import load_tokenizer
+
+    tok = load_tokenizer(path)
+    gen = registry.load("generation", cfg.generation.backend)(cfg, tokenizer=tok, model_path=path)
+    gen.refit(PolicyVersion(step=0, path=path))
+    policy = registry.load("policy", cfg.policy.backend)(cfg, tokenizer=tok, reference_path=path)
+    policy.load_checkpoint(PolicyVersion(step=0, path=path), with_optimizer=True)
+    policy.load_reference_policy()
+    dp = Timed(DataPlane(cfg.dataplane.root, f"bench-step-{uuid.uuid4().hex[:8]}"), DATAPLANE_IO, time.perf_counter)
+    try:
+        return [grpo_step(k, cfg=cfg, tokenizer=tok, gen=gen, policy=policy, dp=dp, now=now, base=path) for k in range(1, repeats + 1)]
+    finally:
+        gen.shutdown()
+        policy.shutdown()
+
+
+def summarize(steps: list[dict[str, Any]], baseline: dict[str, float], shape: dict[str, int], *, cuda: bool) -> dict[str, Any]:
+    """Medians over the steps after the warm-up (over the only step when there is one); adds each step's
+    ``update_flops`` in place of its row ``lengths``."""
+    from bench.megatron import peak_flops
+
+    timed = steps[1:] or steps
+
+    def med(f: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.median(f(s) for s in timed)
+
+    for s in steps:  # sum_i (6 N + 12 L H S_i) S_i over the update's rows
+        s["update_flops"] = sum((6 * shape["params"] + 12 * shape["layers"] * shape["hidden"] * x) * x for x in s.pop("lengths"))
+    peak = None
+    if cuda or os.environ.get("GRPOFLOW_PEAK_TFLOPS"):
+        try:
+            peak = peak_flops()
+        except RuntimeError as err:  # an unknown GPU
+            print(f"[bench.step] MFU n/a: {err}", file=sys.stderr)
+    gen_rate = med(lambda s: s["generated_tokens"] / s["generation_s"])
+    return {
+        "phases": {p: med(lambda s, p=p: s["phases"][p]) for p in PHASES},
+        "dataplane": {p: med(lambda s, p=p: s["dataplane"][p]) for p in (*PHASES, "clear")},
+        "generation_s": med(lambda s: s["generation_s"]),
+        "generated_tokens": statistics.median_low(s["generated_tokens"] for s in timed),
+        "gen_tok_per_s": gen_rate,
+        "baseline_tok_per_s": baseline["tok_per_s"],
+        "baseline_tokens": baseline["tokens"],
+        "gen_vs_baseline": gen_rate / baseline["tok_per_s"],
+        "update_tokens": statistics.median_low(s["update_tokens"] for s in timed),
+        "update_tok_per_s": med(lambda s: s["update_tokens"] / s["phases"]["update"]),
+        "update_mfu": None if peak is None else med(lambda s: s["update_flops"] / s["phases"]["update"]) / peak,
+        "step_s": med(lambda s: s["step_s"]),
+        "warmup_step_s": steps[0]["step_s"] if len(steps) > 1 else None,
+        "timed_steps": len(timed),
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    step, io = r["step_s"], r["dataplane"]
+    mfu = "n/a" if r["update_mfu"] is None else f"{r['update_mfu']:.1%}"
+    warm = "no warm-up: one step" if r["warmup_step_s"] is None else f"after a {r['warmup_step_s']:.2f} s warm-up step"
+    return "\n".join([
+        f"# One GRPO step: {r['generation_backend']} generation, {r['policy_backend']} policy ({r['device']}: {r['device_name']}, torch {r['torch']})",
+        "",
+        f"`{r['command']}`",
+        "",
+        f"Model {r['shape']} ({r['params'] / 1e6:.1f}M parameters), B x G x T = {r['prompts']} x {r['group']} x {r['max_new_tokens']}, "
+        f"precision {r['precision_requested']} -> {r['precision']}; median of {r['timed_steps']} step(s), {warm}.",
+        "",
+        "| phase | s (median) | share of step | data plane inside (s) |",
+        "|---|---|---|---|",
+        *[f"| {p} | {r['phases'][p]:.3f} | {r['phases'][p] / step:.0%} | {io[p]:.3f} |" for p in PHASES],
+        f"| clear the partition | {io['clear']:.3f} | {io['clear'] / step:.0%} | {io['clear']:.3f} |",
+        f"| **step** | **{step:.3f}** | 100% | {sum(io.values()):.3f} |",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| generated tokens (rollout) | {r['generated_tokens']:,} in {r['generation_s']:.3f} s of generate |",
+        f"| generation tok/s: ours / baseline transformers generate ({r['precision']} weights, sdpa) | {r['gen_tok_per_s']:,.0f} / {r['baseline_tok_per_s']:,.0f} = {r['gen_vs_baseline']:.2f} |",
+        f"| update tokens (sum of input_lengths), tok/s | {r['update_tokens']:,}, {r['update_tok_per_s']:,.0f} |",
+        f"| update MFU | {mfu} |",
+    ]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    cuda, now = select_device(args.device)
+    from rl.config import config_from_dict
+    from rl.data import prompt_token_ids, train_problems
+    from rl.model import load_tokenizer
+    from rl.precision import resolve
+
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
+        workdir = Path(args.workdir or tmp)
+        path = model_path(args, workdir)
+        cfg = config_from_dict({
+            "model": {"name": path, "precision": args.precision},
+            "grpo": {"num_prompts_per_step": args.prompts, "num_generations_per_prompt": args.group},
+            "generation": {"backend": args.generation_backend, "max_new_tokens": args.max_new_tokens, "cuda_graphs": args.cuda_graphs},
+            "policy": {"backend": args.policy_backend},
+            "dataplane": {"root": str(workdir / "dataplane")},
+        })
+        d, first_timed = cfg.data, min(2, args.repeats)  # the baseline samples from the first timed step's prompts
+        problems = train_problems(
+            dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction,
+            start=(first_timed - 1) * args.prompts, count=args.prompts,
+        )
+        tok = load_tokenizer(path)
+        prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
+        bf16 = resolve(args.precision, "cuda" if cuda else "cpu") == "bfloat16"  # the baseline in the precision ours runs
+        baseline = baseline_generate(
+            path, prompts, group=args.group, max_new_tokens=args.max_new_tokens, cuda=cuda, bf16=bf16, now=now, repeats=max(1, args.repeats - 1),
+        )
+        steps = run_steps(path, cfg, repeats=args.repeats, now=now, workdir=workdir)
+        shape = model_shape(path)
+        record = describe(args, argv, path=path, cuda=cuda, params=shape["params"]) | summarize(steps, baseline, shape, cuda=cuda)
+    record["steps"] = steps
+    text = table(record)
+    print(text, end="")
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def describe(args: argparse.Namespace, argv: list[str] | None, *, path: str, cuda: bool, params: int) -> dict[str, Any]:
+    """What ran where: device, versions, model, shape of the step, the command."""
+    import platform
+
+    import torch
+
+    from rl.precision import resolve
+
+    return {
+        "device": "cuda" if cuda else "cpu",
+        "device_name": torch.cuda.get_device_name() if cuda else _cpu_name() or platform.machine(),
+        "torch": torch.__version__, "shape": args.random_shape or Path(path).name, "params": params,
+        "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
+        "precision": resolve(args.precision, "cuda" if cuda else "cpu"), "precision_requested": args.precision,
+        "generation_backend": args.generation_backend, "policy_backend": args.policy_backend, "cuda_graphs": args.cuda_graphs,
+        "command": shlex.join(["python", "-m", "bench.step", *(sys.argv[1:] if argv is None else argv)]),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""``python -m bench.step`` on CPU with the tiny model: one whole GRPO step per repeat, every phase timed, token counts
+and the MFU consistent with the rows the step wrote, and neither flytekit nor MLflow imported by the process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RUN = """
+import json, sys
+from bench.step import main
+main(sys.argv[1:])
+print("IMPORTED " + json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {"flytekit", "mlflow"})))
+"""
+"""Runs ``bench.step.main`` with the command-line arguments, then prints which flytekit / mlflow modules it loaded."""
+
+B, G, T = 2, 2, 4
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_model_dir, tmp_path_factory):
+    """``(JSON record, stdout)`` of a 2-step run (one warm-up, one timed) with a CPU peak of 1 TFLOP/s set."""
+    tmp = tmp_path_factory.mktemp("bench_step")
+    args = ["--model", tiny_model_dir, "--device", "cpu", "--prompts", str(B), "--group", str(G), "--max-new-tokens", str(T),
+            "--repeats", "2", "--json", str(tmp / "out.jsonl"), "--workdir", str(tmp / "work"), "--out", str(tmp / "out.md")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOFLOW_PEAK_TFLOPS": "1"}
+    proc = subprocess.run([sys.executable, "-c", RUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp / "out.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    assert (tmp / "out.md").read_text() in proc.stdout
+    return json.loads(lines[0]), proc.stdout
+
+
+def test_every_phase_is_timed(bench_run):
+    record, _ = bench_run
+    assert list(record["phases"]) == ["rollout", "reference_logprobs", "advantages", "update", "refit"]
+    assert all(s > 0 for s in record["phases"].values()), record["phases"]
+    assert set(record["dataplane"]) == {*record["phases"], "clear"}
+    assert record["dataplane"]["refit"] == 0.0  # the refit reads nothing from the data plane
+    for name in ("rollout", "reference_logprobs", "advantages", "update"):  # each of these reads or writes it
+        assert 0 < record["dataplane"][name] < record["phases"][name]
+    assert [s["step"] for s in record["steps"]] == [1, 2]
+    assert record["timed_steps"] == 1 and record["warmup_step_s"] == record["steps"][0]["step_s"]
+    timed = record["steps"][1]
+    assert record["phases"] == timed["phases"]  # the median of one step is that step
+    assert record["step_s"] == timed["step_s"] >= sum(timed["phases"].values()) + timed["dataplane"]["clear"]
+
+
+def test_token_counts_match_the_rows_the_step_wrote(bench_run, tiny_model_dir):
+    from rl.config import config_from_dict
+    from rl.data import prompt_token_ids, train_problems
+    from rl.model import load_tokenizer
+
+    record, _ = bench_run
+    generated = record["generated_tokens"]
+    assert 0 < generated <= B * G * T
+    assert generated / record["generation_s"] == pytest.approx(record["gen_tok_per_s"])
+    assert record["gen_vs_baseline"] == pytest.approx(record["gen_tok_per_s"] / record["baseline_tok_per_s"])
+    assert 0 < record["baseline_tokens"] <= B * G * T
+
+    # the timed step is step 2: training problems B .. 2B-1, each prompt G times; update tokens = prompts + responses
+    d = config_from_dict({}).data
+    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=B, count=B)
+    tok = load_tokenizer(tiny_model_dir)
+    prompt_lengths = [len(prompt_token_ids(tok, p.question, d.system_prompt)) for p in problems]  # [B]
+    assert record["update_tokens"] == G * sum(prompt_lengths) + generated
+    assert record["update_tok_per_s"] == pytest.approx(record["update_tokens"] / record["phases"]["update"])
+
+    # MFU with GRPOFLOW_PEAK_TFLOPS=1: sum_i (6N + 12 L H S_i) S_i / s / 1e12; the tiny model has L=2, H=64
+    if generated == B * G * T:  # every response ran to T (random weights: eos is rare), so S_i = P_b + T
+        lengths = [p + T for p in prompt_lengths for _ in range(G)]  # [N]
+        flops = sum((6 * record["params"] + 12 * 2 * 64 * s) * s for s in lengths)
+        assert record["steps"][1]["update_flops"] == flops
+    assert record["update_mfu"] == pytest.approx(record["steps"][1]["update_flops"] / record["phases"]["update"] / 1e12)
+
+
+def test_neither_flyte_nor_mlflow_is_imported(bench_run):
+    record, stdout = bench_run
+    assert "IMPORTED []" in stdout.splitlines()
+    assert record["device"] == "cpu" and record["params"] > 0
+    assert "| update MFU |" in stdout and record["command"] in stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no CUDA device")
+def test_device_cuda_fails_early_without_cuda(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.step", "--device", "cuda", "--model", str(tmp_path / "never-read")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "--device cuda, but torch" in proc.stderr and "sees no CUDA device" in proc.stderr
