@@ -197,9 +197,9 @@ def accumulate_on_device(totals: dict[str, torch.Tensor], part: dict[str, torch.
         if old is None:
             totals[k] = v
         elif k.endswith("_max"):
-            totals[k] = torch.maximum(old, v)
+            totals[k] = torch.fmax(old, v)  # a NaN never wins over a number
         elif k.endswith("_min"):
-            totals[k] = torch.minimum(old, v)
+            totals[k] = torch.fmin(old, v)
         else:
             totals[k] = old + v
 

@@ -29,11 +29,12 @@ def on_accelerator(device: torch.device | str) -> bool:
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``tensor`` (on the host) on ``device``: as it is on the CPU; elsewhere through pinned (page-locked) host memory
-    with a non-blocking copy, so that the host goes on queueing work while the copy runs. The pinned buffer comes from
-    torch's caching host allocator, which keeps it until the copy has finished."""
+    with a non-blocking copy, so that the host goes on queueing work while the copy runs (made contiguous first: CUDA
+    copies a strided source through a pageable staging buffer). The pinned buffer comes from torch's caching host
+    allocator, which keeps it until the copy has finished."""
     if not on_accelerator(device) or not tensor.is_cpu:
         return tensor if tensor.device == torch.device(device) else tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.contiguous().pin_memory().to(device, non_blocking=True)  # a strided pinned copy would be staged
 
 
 def device_generator(device: torch.device | str, seed: int) -> torch.Generator:

@@ -7,8 +7,9 @@ with a plain CPU run). A dispatch mode sees every op and:
 - raises :class:`DeviceMismatch` when device tensors meet host tensors (other than 0-dim ones, as CUDA allows), as
   CUDA raises ``Expected all tensors to be on the same device``; copies (``copy_``, ``.to``) cross freely;
 - raises it too for a host ``torch.Generator`` drawing device numbers, or a device generator drawing host ones;
-- records every device -> host copy and value read (``.cpu()``, ``.item()``, ``int()``, ``.tolist()``, ``nonzero``,
-  boolean-mask indexing, ...): on a GPU each waits for the device (:attr:`FakeDevice.syncs`);
+- records every device -> host copy and value read (``.cpu()``, ``copy_`` into a host tensor, ``.item()``, ``int()``,
+  ``.tolist()``, ``nonzero``, ``unique``, boolean-mask indexing and assignment, ...): on a GPU each waits for the
+  device (:attr:`FakeDevice.syncs`);
 - records every host -> device copy, with whether it was non-blocking from pinned memory (:attr:`FakeDevice.uploads`).
 
 Why not PyTorch's ``FakeTensorMode``: its tensors hold no data, so data-dependent code (``nonzero``, a loop that stops
@@ -16,8 +17,11 @@ when every row has produced eos, shapes read from lengths) cannot run under it, 
 tensor aborts the process on a CPU-only build (autograd asks the CUDA device guard for a stream). The fake device
 here is therefore ``meta`` (a device type whose guard the CPU build has): the product code treats every non-CPU
 device alike (``rl.precision.on_accelerator``). Not covered: what only a CUDA device does (CUDA kernels, streams,
-``torch.cuda`` calls, autocast on CUDA: ``torch.autocast`` has no ``meta`` device, so bf16 mixed precision runs only
-with precision ``float32`` here), and ops reached through ``torch.tensor(..., device=)`` in C++ without Python.
+``torch.cuda`` calls, the ``device.type == "cuda"`` branches, autocast on CUDA: ``torch.autocast`` has no ``meta``
+device, so bf16 mixed precision runs only with precision ``float32`` here), strides and real pinning, a non-blocking
+copy to the host read before the device is done, and ops reached through ``torch.tensor(..., device=)`` in C++
+without Python. Stricter than CUDA: indexing a device tensor with host index tensors raises here (CUDA copies the
+indices over, which is slow but allowed).
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ _READS = {
     aten.equal.default,
     aten.is_nonzero.default,
     aten.repeat_interleave.Tensor,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
 }
 """Device ops whose result the host must wait for."""
 
@@ -139,7 +147,9 @@ class FakeDevice(TorchDispatchMode):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         device_in = any(isinstance(a, OnDevice) for a in flat)
-        host_in = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, OnDevice) and a.dim() > 0]
+        # CUDA takes a 0-dim host tensor as a scalar in elementwise ops only (cat, index ops, ... refuse it)
+        scalars_ok = torch.Tag.pointwise in func.tags
+        host_in = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, OnDevice) and (a.dim() > 0 or not scalars_ok)]
         target = kwargs.get("device")
         to_device = target is not None and torch.device(target).type != "cpu"
         to_host = target is not None and torch.device(target).type == "cpu"
@@ -150,8 +160,12 @@ class FakeDevice(TorchDispatchMode):
         self._check_generator(func, flat, on_device=device_in or to_device)
         if func is aten._to_copy.default and device_in and to_host or func in _READS and device_in:
             self.syncs.append(Transfer(str(func), tuple(args[0].shape), _caller()))
-        if func is aten.index.Tensor and device_in and any(i is not None and i.dtype == torch.bool for i in args[1]):
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and device_in and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        ):
             self.syncs.append(Transfer("boolean-mask index", tuple(args[0].shape), _caller()))
+        if func is aten.copy_.default and not isinstance(args[0], OnDevice) and isinstance(args[1], OnDevice):
+            self.syncs.append(Transfer("copy to the host", tuple(args[1].shape), _caller()))
         if to_device:
             kwargs = {**kwargs, "device": torch.device("cpu")}
             if func is aten._to_copy.default and not device_in:

@@ -113,7 +113,8 @@ def generate(
             generator); the same seed gives the same completions on the same device.
         cuda_graphs: decode on a static KV cache with the one-token step captured as a CUDA graph
             (`rl.backends.hf.static_decode`); on a device other than CUDA the static loop runs without a graph. Only
-            for a model stored in its compute dtype (the GPU's bf16 generation copy); otherwise the dynamic loop runs.
+            for a model stored in its compute dtype (the GPU's bf16 generation copy), with eager or SDPA attention and
+            no sliding window shorter than the sequence (:func:`one_token_masks_apply`); otherwise the dynamic loop runs.
 
     Returns:
         :class:`Generated`, on the host.
@@ -129,7 +130,7 @@ def generate(
         chunk = prompts[start : start + step]
         sampling = {"temperature": temperature, "top_p": top_p, "greedy": greedy, "precision": precision, "generator": generator}
         ends = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "max_new_tokens": max_new_tokens}
-        if cuda_graphs and stored_in_compute_dtype(model, precision):
+        if cuda_graphs and stored_in_compute_dtype(model, precision) and one_token_masks_apply(model, longest):
             new, lp, lengths, finished = decode_static(model, chunk, **ends, **sampling, graph=device_of(model).type == "cuda")
         else:
             new, lp, lengths, finished = _decode(model, chunk, g, **ends, **sampling)  # host tensors
@@ -157,10 +158,13 @@ MAX_DEVICE_BATCH_SIZE = 4096
 
 
 def default_batch_size(model: torch.nn.Module, longest: int) -> int:
-    """Sequences per decode batch when ``generation.batch_size`` is not set: :data:`CPU_BATCH_SIZE` on the CPU; on a
-    CUDA GPU as many as half its free memory holds (at most :data:`MAX_DEVICE_BATCH_SIZE`), counting per sequence its
-    KV cache of ``longest`` tokens (2 x layers x key-value heads x head dim x element size) and four float32 [V] rows
-    of sampling work (logits, log-softmax, probabilities, their cumulative sum); 512 on another accelerator."""
+    """Sequences per decode batch when ``generation.batch_size`` is not set: :data:`CPU_BATCH_SIZE` on the CPU; 512 on
+    an accelerator other than CUDA; on a CUDA GPU as many as half its free memory holds (free: unused device memory plus
+    what torch's allocator holds unused), at least 1 and at most :data:`MAX_DEVICE_BATCH_SIZE`. Bytes per sequence: its
+    KV cache of ``longest`` tokens (2 x layers x key-value heads x head dim x element size), one layer's prefill
+    activations over ``longest`` tokens (3 x MLP width + 4 x hidden size elements each; the static loop prefills every
+    row), and ten float32 vocabulary rows of sampling work (logits, log-softmax, probabilities, cumulative sums, and a
+    top-p sort's values and int64 indices)."""
     device = device_of(model)
     if not on_accelerator(device):
         return CPU_BATCH_SIZE
@@ -169,10 +173,14 @@ def default_batch_size(model: torch.nn.Module, longest: int) -> int:
     c = model.config
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    width = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
     elem = torch.finfo(next(model.parameters()).dtype).bits // 8
-    per_row = 2 * c.num_hidden_layers * heads * head_dim * elem * longest + 4 * 4 * c.vocab_size
+    kv = 2 * c.num_hidden_layers * heads * head_dim * elem * longest
+    prefill = (3 * width + 4 * c.hidden_size) * elem * longest
+    per_row = kv + prefill + 10 * 4 * c.vocab_size
     free, _ = torch.cuda.mem_get_info(device)
-    return int(max(CPU_BATCH_SIZE, min(MAX_DEVICE_BATCH_SIZE, free // 2 // per_row)))
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(max(1, min(MAX_DEVICE_BATCH_SIZE, free // 2 // per_row)))
 
 
 def one_token_masks_apply(model: torch.nn.Module, longest: int) -> bool:

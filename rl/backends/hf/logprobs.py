@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from rl.backends.hf.lm_head import lm_head
-from rl.precision import autocast, device_of, to_device
+from rl.precision import autocast, device_of, on_accelerator, to_device
 
 
-def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, precision: str, **kwargs) -> torch.Tensor:
+def hidden_states(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, precision: str, **kwargs
+) -> torch.Tensor:
     """[M, S, H] final hidden states of the model's trunk (the decoder without the LM head), in ``precision``.
 
     ``kwargs`` go to the decoder's forward (``position_ids``, ``past_key_values``, ``use_cache``). Callers that
@@ -26,7 +28,7 @@ def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     device = device_of(model)
     with autocast(model, precision):
         return model.get_decoder()(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
+            input_ids=input_ids.to(device), attention_mask=None if attention_mask is None else attention_mask.to(device), **kwargs
         ).last_hidden_state
 
 
@@ -159,7 +161,11 @@ def forward_logprobs(
     cache = None
     if p.prefix_ids is not None:  # encode each distinct prefix once, then give every row its prefix's KV cache
         cache = DynamicCache(config=model.config)
-        hidden_states(model, p.prefix_ids, p.prefix_mask, precision=precision, past_key_values=cache, use_cache=True)
+        # right-padded, so causal attention alone keeps every real position off the padding (whose keys the suffix's
+        # mask hides); on a device, no padding mask, because transformers' SDPA path reads one on the host to decide
+        # whether it may skip it
+        mask = None if on_accelerator(device_of(model)) else p.prefix_mask
+        hidden_states(model, p.prefix_ids, mask, precision=precision, past_key_values=cache, use_cache=True)
         cache.batch_select_indices(p.owner)
     hidden = hidden_states(
         model, p.suffix_ids, p.attention_mask, precision=precision, position_ids=p.positions,

@@ -65,7 +65,8 @@ class OneTokenStep:
                 first = self._step()
             torch.cuda.current_stream().wait_stream(side)
             self._captured = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._captured):
+            # thread-local: a trainer thread beside an async run's collector may call CUDA during the capture
+            with torch.cuda.graph(self._captured, capture_error_mode="thread_local"):
                 self._out = self._step()
             return first
         self._captured.replay()

@@ -80,8 +80,9 @@ class _EmbeddingRows(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         w, ids = ctx.weight, ids.reshape(-1)
         rows = grad.reshape(-1, w.shape[1])
-        if ctx.padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient (zeros added, no sync)
-            rows = rows * (ids != ctx.padding_idx)[:, None].to(rows.dtype)
+        if ctx.padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient
+            keep = ids != ctx.padding_idx
+            ids, rows = ids[keep], rows[keep]
         if w.grad is None:
             w.grad = torch.zeros_like(w)
         w.grad.index_add_(0, ids, rows.to(w.grad.dtype))
@@ -227,7 +228,7 @@ def train_on_batch(
                     accumulate_on_device(totals, sums)
             distributed.all_reduce_gradients(model.parameters())  # sum over ranks: the whole update's gradient
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).to(device))  # a host 0 without gradients
             optimizer.step()
             scheduler.step()
             losses.append(step_loss)

@@ -49,17 +49,22 @@ def test_the_fake_device_catches_a_host_tensor_meeting_a_device_tensor():
     assert dev.uploads[-1].non_blocking and dev.uploads[-1].pinned and dev.uploads[-1].shape == (4,)
 
 
-def test_logprobs_stay_on_the_device_read_once_and_equal_the_cpu(tiny):
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_logprobs_stay_on_the_device_read_once_and_equal_the_cpu(tiny_model_dir, attention):
+    """One read per call with either attention (from a 2D padding mask, transformers' SDPA path would read the mask on
+    the host every forward: the prefix forward goes without one on a device, causal attention sufficing)."""
     from rl.backends.hf.logprobs import batched_logprobs
+    from rl.backends.hf.model import load_model
 
-    model, _ = tiny
+    model = load_model(tiny_model_dir, attention, device="cpu")
     b = _batch()
     args = (b["input_ids"], b["input_lengths"], b["token_mask"])
     expected = batched_logprobs(model, *args, batch_size=3, precision="float32")  # [8, 12]
     with fake_device() as dev:
         on_device = _on_device(model)
         got = batched_logprobs(on_device, *args, batch_size=3, precision="float32")
-    assert got.device.type == "cpu" and torch.equal(got, expected)
+    assert got.device.type == "cpu"
+    assert torch.equal(got, expected) if attention == "eager" else torch.allclose(got, expected, atol=1e-5)  # SDPA: causal kernel
     assert len(dev.syncs) == 1 and dev.syncs[0].shape == (8, 12)  # the result, once: three micro-batches, no reads
     plans = [u for u in dev.uploads if u.where.startswith("main/rl/precision.py")]
     assert plans and all(u.non_blocking and u.pinned for u in plans)
@@ -97,6 +102,22 @@ def test_the_update_runs_on_the_device_reads_once_per_step_and_equals_the_cpu(ti
     for (name, a), b in zip(cpu.named_parameters(), dev_model.parameters(), strict=True):
         assert (a - b).abs().max().item() < 1e-6, name
     assert syncs == ["_read_step"]  # 4 micro-batches x updates, one read
+
+
+def test_an_update_without_rows_on_this_rank_keeps_its_gradient_norm_on_the_device(tiny):
+    """A rank whose share of a global update is empty has no gradients; ``clip_grad_norm_`` then returns a host 0, which
+    must join the step's other figures on the device (CUDA refuses a host tensor in ``torch.stack``, 0-dim or not)."""
+    from rl.backends.hf.train import make_optimizer, train_on_batch
+
+    model, _ = tiny
+    cfg = config_from_dict({"model": {"precision": "float32"}, "optim": {"train_micro_batch_size": 4}})
+    batch = _batch()
+    batch["prev_logprobs"] = batch["generation_logprobs"] - 0.1
+    with fake_device():
+        dev_model = _on_device(model)
+        opt, sched = make_optimizer(dev_model, cfg)
+        metrics = train_on_batch(dev_model, opt, sched, batch, cfg, update_sizes=[8, 0])
+    assert metrics["grad_norm"] > 0 and math.isfinite(metrics["loss"])  # the mean over the two updates' norms
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
