@@ -1,5 +1,5 @@
-"""Cost and effect of running the GRPO update with torch's deterministic algorithms (`rl/backends/hf/train.py`,
-``_reproducible_accumulation``), side by side in one process.
+"""Cost and effect of running the GRPO update with torch's deterministic algorithms (``optim.deterministic``,
+`rl/backends/engine.py` ``update_settings``), side by side in one process.
 
     python -m bench.reproducible_update [--repeats 3] [--precision float32] [--out bench/results/reproducible_update.md]
 
@@ -13,8 +13,8 @@ its repeats (1 = bit for bit reproducible). Threads: torch's default here, or GR
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
+import dataclasses
 import hashlib
 import platform
 import statistics
@@ -50,21 +50,17 @@ def main() -> None:
     torch.manual_seed(0)
     base = load_model(path)
     batch, _ = _rollout_batch(base, tok, cfg, problems)
-    deterministic = train._reproducible_accumulation
-    modes = {"deterministic": deterministic, "default": contextlib.nullcontext}
+    modes = {"deterministic": True, "default": False}  # optim.deterministic
     times: dict[str, list[float]] = {m: [] for m in modes}
     digests: dict[str, set[str]] = {m: set() for m in modes}
     for round_ in range(args.repeats):
         for mode, ctx in modes.items():
             model = copy.deepcopy(base)
-            opt, sched = train.make_optimizer(model, cfg)
-            train._reproducible_accumulation = ctx  # the update's own setting, swapped for this run
-            try:
-                t0 = time.perf_counter()
-                train.train_on_batch(model, opt, sched, batch, cfg)
-                times[mode].append(time.perf_counter() - t0)
-            finally:
-                train._reproducible_accumulation = deterministic
+            run = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, deterministic=ctx))
+            opt, sched = train.make_optimizer(model, run)
+            t0 = time.perf_counter()
+            train.train_on_batch(model, opt, sched, batch, run)
+            times[mode].append(time.perf_counter() - t0)
             h = hashlib.sha256()
             for p in model.parameters():
                 h.update(p.detach().contiguous().numpy().tobytes())

@@ -73,6 +73,9 @@ class ModelConfig(Section):
     """Compute dtype of forward passes: ``bfloat16`` (mixed precision: float32 master weights, the trunk under
     autocast, the LM head in bf16 with float32-exact top logits, see ``rl/backends/hf/lm_head.py``), ``float32``, or ``auto``: bfloat16 where the hardware has native bf16 (CUDA, or a CPU
     with AVX-512 BF16 / AMX), else float32 (see ``rl/precision.py``)."""
+    tf32: bool = True
+    """On CUDA, float32 matmuls of updates run on TF32 tensor cores (10-bit mantissa inputs, float32 sums); false
+    for IEEE float32. Off whenever ``optim.deterministic`` is on."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -361,22 +364,35 @@ class OptimConfig(Section):
     """Clip the global gradient norm to this value (0: no clipping)."""
     train_global_batch_size: int | None = None
     """Samples per optimizer step; None: the whole step's batch (B*G), one on-policy update per step."""
-    train_micro_batch_size: int = 32
-    """Samples per forward/backward pass (gradient accumulation up to the global batch). Whole groups per micro-batch
-    share their prompt's forward; on CPU, 32 rollouts of SmolLM2 per pass trained ~1.5x faster than 8."""
-    logprob_batch_size: int = 32
-    """Samples per forward pass of the logprob tasks."""
+    train_micro_batch_size: int | None = None
+    """Most samples per forward/backward pass (gradient accumulation up to the global batch); null: 32 on the CPU
+    (32 rollouts of SmolLM2 per pass trained ~1.5x faster than 8), no cap on CUDA (the token budget decides).
+    Micro-batches are consecutive rows, so whole groups share their prompt's forward."""
+    train_max_tokens_per_micro_batch: int | None = None
+    """Most padded tokens (rows x the longest row) per forward/backward pass, on top of ``train_micro_batch_size``;
+    a longer row goes alone. Null: none on the CPU; on CUDA half the free device memory over an activation estimate
+    per token (``rl/backends/engine.py`` ``default_max_tokens``)."""
+    logprob_batch_size: int | None = None
+    """Most samples per forward pass of the logprob tasks; null as ``train_micro_batch_size``."""
+    logprob_max_tokens_per_micro_batch: int | None = None
+    """Most padded tokens per forward pass of the logprob tasks; null as ``train_max_tokens_per_micro_batch``."""
+    deterministic: bool | None = None
+    """Run updates with torch's deterministic algorithms (bit for bit the same at any thread count); null: true on
+    the CPU, where it costs nothing measurable, false on CUDA (``docs/gpu.md``)."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
         if self.lr <= 0:
             _fail("optim.lr", f"is {self.lr}", "use a positive learning rate, e.g. 1e-5")
-        if self.train_micro_batch_size < 1 or self.logprob_batch_size < 1:
-            _fail("optim", "micro batch sizes must be >= 1", "set train_micro_batch_size and logprob_batch_size >= 1")
-        if self.train_global_batch_size is not None and self.train_global_batch_size % self.train_micro_batch_size:
+        for name in ("train_micro_batch_size", "logprob_batch_size", "train_max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                _fail(f"optim.{name}", f"is {value}", "use a number >= 1, or null for the device's default")
+        mbs = self.train_micro_batch_size
+        if self.train_global_batch_size is not None and mbs is not None and self.train_global_batch_size % mbs:
             _fail(
                 "optim.train_global_batch_size",
-                f"{self.train_global_batch_size} is not a multiple of train_micro_batch_size={self.train_micro_batch_size}",
+                f"{self.train_global_batch_size} is not a multiple of train_micro_batch_size={mbs}",
                 "make it a multiple",
             )
         if self.max_grad_norm < 0 or self.warmup_steps < 0:

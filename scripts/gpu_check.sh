@@ -16,7 +16,9 @@
 #             SmolLM2-135M-Instruct (GRPOFLOW_GPU_MODEL, and GRPOFLOW_CACHE whose converted model it is)
 #   step<S>   python -m bench.step on shape S (135M: 64 x 8 x 128 tokens; 1B: 64 x 8 x 256) -> <out>/results.jsonl;
 #             step<S>graphs the same with --cuda-graphs (generation.cuda_graphs: static KV cache, CUDA-graph decode step)
-#   megatron  python -m bench.megatron on 135M and 1B (parts megatron135M, megatron1B) -> <out>/results.jsonl
+#   megatron  python -m bench.megatron on 135M and 1B (parts megatron135M, megatron1B: variants default,rows8,rows32 or
+#             GPU_CHECK_VARIANTS_<size>), and 1B with groups of 8 sharing a prompt, the shared-prompt forward on and off
+#             (part megatron1Bshared) -> <out>/results.jsonl
 # Then one markdown table of everything (scripts/gpu_check_table.py), printed and written to <out>/summary.md.
 #
 # --cpu-smoke (or GPU_CHECK_DEVICE=cpu): the same plumbing on the CPU at tiny sizes, for CI: no install when everything
@@ -123,9 +125,16 @@ part_step() {  # $1: a bench.megatron size (a random Llama of that shape) or a m
   "$py" -m bench.step "${which[@]}" $step_args --json "$results" --out "$out/step$1.md"
 }
 
-part_megatron() {  # $1: size
-  "$py" -m bench.megatron --size "$1" --model "$cache/models/$1" --rows 64 --length 512 --steps 3 \
-    --json "$results" --out "$out/megatron$1.md"
+part_megatron() {  # $1: size, with the suffix "shared" for a GRPO-shaped batch (groups of 8 share a prompt)
+  local size=${1%shared} extra=()
+  if [[ $1 == *shared ]]; then
+    extra=(--shared-prompts --backends transformers --variants "${GPU_CHECK_SHARED_VARIANTS:-shared,plain}")
+  else
+    local var="GPU_CHECK_VARIANTS_$size"
+    extra=(--variants "${!var:-default,rows8,rows32}")
+  fi
+  "$py" -m bench.megatron --size "$size" --model "$cache/models/$size" --rows 64 --length 512 --steps 3 \
+    --json "$results" --out "$out/megatron$1.md" "${extra[@]}"
 }
 
 limit_of() {  # default limits (s): expected on an H100 ~ env 20, models 30, pytest 120, 135M 90, 1B 150, megatron 120
@@ -133,7 +142,7 @@ limit_of() {  # default limits (s): expected on an H100 ~ env 20, models 30, pyt
   if [[ -n ${!var:-} ]]; then echo "${!var}"; return; fi
   case $1 in
     env) echo 90 ;; models) echo 90 ;; pytest) echo 180 ;;
-    step135M*) echo 150 ;; step1B*) echo 210 ;; megatron135M) echo 75 ;; megatron1B) echo 105 ;;
+    step135M*) echo 150 ;; step1B*) echo 210 ;; megatron135M) echo 75 ;; megatron1B) echo 150 ;; megatron1Bshared) echo 60 ;;
     *) echo 120 ;;
   esac
 }
@@ -149,7 +158,7 @@ if [[ -n $run_part ]]; then
   exit
 fi
 expanded=""
-for p in $parts; do [[ $p == megatron ]] && expanded+=" megatron135M megatron1B" || expanded+=" $p"; done
+for p in $parts; do [[ $p == megatron ]] && expanded+=" megatron135M megatron1B megatron1Bshared" || expanded+=" $p"; done
 rm -f "$out"/parts.txt "$out"/results.jsonl "$out"/summary.md "$out"/*.log
 start=$(date +%s)
 echo "gpu_check: device $device, parts:$expanded; out $out, cache $cache, site $site"

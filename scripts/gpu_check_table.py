@@ -124,8 +124,11 @@ def _megatron_cells(row: dict[str, str], r: dict) -> str:
     row["model"] = str(r.get("size", ""))
     row["update s"] = _f(r.get("step_s"), ".3f")
     row["update MFU"] = "n/a" if r.get("mfu") is None else f"{r['mfu']:.1%}"
-    return (f"bench.megatron {r.get('backend')} back-end: {r.get('rows')} x {r.get('length')} tokens, "
-            f"{r.get('tokens_per_s', 0):,.0f} tok/s, step time {r.get('vs_transformers', 1):.2f}x transformers'")
+    if r.get("error"):
+        return f"bench.megatron {r.get('backend')} back-end, {r.get('variant', 'default')}: {r['error']}"
+    shared = ", groups share a prompt" if r.get("shared_prompts") else ""
+    return (f"bench.megatron {r.get('backend')} back-end, {r.get('variant', 'default')}: {r.get('rows')} x {r.get('length')} tokens{shared}, "
+            f"{r.get('tokens_per_s', 0):,.0f} tok/s, peak {r.get('peak_gib', 0):.1f} GiB, step time {r.get('vs_transformers') or 1:.2f}x the first row's")
 
 
 def rows(out: Path) -> list[dict[str, str]]:
@@ -137,7 +140,7 @@ def rows(out: Path) -> list[dict[str, str]]:
     megatron: dict[str, list[dict]] = {}
     for r in results:
         if r.get("bench") == "megatron":
-            megatron.setdefault(str(r.get("size")), []).append(r)
+            megatron.setdefault(str(r.get("size")) + ("shared" if r.get("shared_prompts") else ""), []).append(r)
     env = [r for r in results if r.get("part") == "env"]
     models = [r for r in results if r.get("part") == "models"]
     table = []

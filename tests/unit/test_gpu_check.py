@@ -28,7 +28,9 @@ STEP = {
 GRAPHS = STEP | {"cuda_graphs": True, "gen_tok_per_s": 40123.0, "gen_vs_baseline": 2.1107}
 MEGATRON = [
     {"bench": "megatron", "size": "1B", "backend": "transformers", "rows": 64, "length": 512, "step_s": 0.8012, "tokens_per_s": 40898.6, "mfu": 0.2751, "vs_transformers": 1.0},
-    {"bench": "megatron", "size": "1B", "backend": "megatron", "rows": 64, "length": 512, "step_s": 1.1734, "tokens_per_s": 27925.7, "mfu": 0.1878, "vs_transformers": 1.4646},
+    {"bench": "megatron", "size": "1B", "backend": "megatron", "rows": 64, "length": 512, "step_s": 1.1734, "tokens_per_s": 27925.7, "mfu": 0.1878, "vs_transformers": 1.4646,
+     "variant": "rows32", "peak_gib": 41.25},
+    {"bench": "megatron", "size": "1B", "backend": "megatron", "rows": 64, "length": 512, "variant": "tokens64k", "error": "out of memory: CUDA"},
 ]
 ENV = {"part": "env", "python": "3.12.3", "torch": "2.11.0+cu130", "transformers": "5.17.0", "torch_cuda": "13.0", "cuda_available": True,
        "device_name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "driver": "580.65.06", "megatron.core": "0.17.0", "tensordict": "0.15.3",
@@ -57,9 +59,9 @@ def test_each_part_is_a_row_with_its_status_and_measurements(out):
     assert [(r["part"], r["rc"], r["wall s"]) for r in rows] == [
         ("env", "0", "14"), ("models", "0", "31"), ("pytest", "1", "118"), ("step135M", "0", "84"), ("step135Mgraphs", "0", "61"),
         ("step1B", "124", "180"),
-        ("megatron135M", "1", "12"), ("megatron1B", "0", "70"), ("megatron1B", "", ""), ("later", "skip", "0"),
+        ("megatron135M", "1", "12"), ("megatron1B", "0", "70"), ("megatron1B", "", ""), ("megatron1B", "", ""), ("later", "skip", "0"),
     ]
-    env, models, pytest_row, s135, s135g, s1b, m135, m1b_hf, m1b_meg, later = rows
+    env, models, pytest_row, s135, s135g, s1b, m135, m1b_hf, m1b_meg, m1b_oom, later = rows
     assert env["result"] == (
         "NVIDIA H100 80GB HBM3, 79.2 GiB, driver 580.65.06; Python 3.12.3, torch 2.11.0+cu130 (CUDA 13.0), transformers 5.17.0; "
         "megatron.core 0.17.0, tensordict 0.15.3, reasoning_gym 0.1.25, mashumaro 3.23"
@@ -79,7 +81,9 @@ def test_each_part_is_a_row_with_its_status_and_measurements(out):
     assert m135["result"] == "FAILED (rc=1): RuntimeError: CUDA error: out of memory \\| really"  # a | would break the table
     assert (m1b_hf["model"], m1b_hf["update s"], m1b_hf["update MFU"]) == ("1B", "0.801", "27.5%")
     assert (m1b_meg["model"], m1b_meg["update s"], m1b_meg["update MFU"]) == ("1B", "1.173", "18.8%")
-    assert m1b_meg["result"] == "bench.megatron megatron back-end: 64 x 512 tokens, 27,926 tok/s, step time 1.46x transformers'"
+    assert m1b_meg["result"] == ("bench.megatron megatron back-end, rows32: 64 x 512 tokens, 27,926 tok/s, peak 41.2 GiB, "
+                                 "step time 1.46x the first row's")
+    assert m1b_oom["result"] == "bench.megatron megatron back-end, tokens64k: out of memory: CUDA" and m1b_oom["update s"] == ""
     assert later["result"] == "not run: the time budget was spent"
 
 
@@ -89,7 +93,7 @@ def test_the_table_is_one_markdown_table_printed_and_written(out, capsys):
     assert capsys.readouterr().out == text
     lines = text.splitlines()
     assert lines[0].startswith("| part | rc | wall s | model | rollout s | ref logprobs s |") and lines[1] == "|" + "---|" * 15
-    assert len(lines) == 2 + 10 and all(len(re.split(r"(?<!\\)\|", line)) == 2 + 15 for line in lines)  # 15 cells a row
+    assert len(lines) == 2 + 11 and all(len(re.split(r"(?<!\\)\|", line)) == 2 + 15 for line in lines)  # 15 cells a row
 
 
 def test_pytest_counts_read_the_closing_line_or_none():
@@ -117,8 +121,8 @@ def test_bench_megatron_takes_a_model_and_appends_one_json_row_per_backend(tmp_p
 
     def measure(path, **kw):
         seen.update(kw, path=path)
-        return [{"backend": "transformers", "step_s": 2.0, "tokens_per_s": 100.0, "mfu": 0.1},
-                {"backend": "megatron", "step_s": 1.0, "tokens_per_s": 200.0, "mfu": 0.2}]
+        return [{"backend": "transformers", "variant": "default", "step_s": 2.0, "tokens_per_s": 100.0, "mfu": 0.1, "peak_gib": 3.0},
+                {"backend": "megatron", "variant": "default", "step_s": 1.0, "tokens_per_s": 200.0, "mfu": 0.2, "peak_gib": 2.5}]
 
     monkeypatch.setattr(bm, "measure", measure)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
@@ -127,12 +131,15 @@ def test_bench_megatron_takes_a_model_and_appends_one_json_row_per_backend(tmp_p
     results.write_text('{"part": "env"}\n')
     argv = ["--size", "1B", "--model", str(tmp_path / "m"), "--steps", "3", "--json", str(results), "--out", str(tmp_path / "m.md")]
     bm.main(argv)
-    assert seen == {"path": str(tmp_path / "m"), "batch_rows": 64, "length": 512, "steps": 3, "precision": "bfloat16"}
+    assert seen == {"path": str(tmp_path / "m"), "batch_rows": 64, "length": 512, "steps": 3, "precision": "bfloat16",
+                    "variants": ("default",), "backends": ("transformers", "megatron"), "shared_prompts": False}
     lines = [json.loads(x) for x in results.read_text().splitlines()]
     assert lines[0] == {"part": "env"}
     assert [(r["bench"], r["size"], r["backend"], r["step_s"], r["vs_transformers"], r["device_name"]) for r in lines[1:]] == [
         ("megatron", "1B", "transformers", 2.0, 1.0, "Fake GPU"), ("megatron", "1B", "megatron", 1.0, 0.5, "Fake GPU")]
-    assert "| megatron | 1.000 | 200 | 20.0% | 0.50 |" in (tmp_path / "m.md").read_text()
+    assert "| megatron | default | 1.000 | 200 | 20.0% | 2.5 | 0.50 |" in (tmp_path / "m.md").read_text()
+    with pytest.raises(SystemExit):  # an unknown variant is refused before anything loads
+        bm.main([*argv, "--variants", "default,fast"])
     # the random model gets the tokenizer it is given
     monkeypatch.setattr(bm, "random_llama", lambda target, size, tok: seen.update(tok=tok, size=size) or str(target))
     bm.main(["--size", "135M", "--tokenizer", "/tok", "--out", str(tmp_path / "m2.md")])

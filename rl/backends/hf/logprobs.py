@@ -70,11 +70,22 @@ class ForwardPlan:
         return ForwardPlan(shape=self.shape, **{k: None if v is None else to_device(v, device) for k, v in moved.items()})
 
 
-def plan_forward(input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor | None = None) -> ForwardPlan:
+SHARED_PREFIX_MIN_SAVING = {"cpu": 0.0, "cuda": 0.0}
+"""Per device type: the shared-prefix forward runs when it saves more than this fraction of the plain forward's
+trunk tokens (``1 - (k P + M R) / (M S)`` for k distinct prefixes of width P, M rows of suffix width R and width S);
+otherwise one plain forward over the whole rows (one launch sequence, no KV-cache copies). Measured in
+``bench/megatron.py``'s ``--variants`` (``docs/gpu.md``)."""
+
+
+def plan_forward(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor | None = None, *, min_saving: float | None = 0.0
+) -> ForwardPlan:
     """The :class:`ForwardPlan` of a right-padded micro-batch; vectorized host maths, no per-row Python.
 
     Each row splits at its first wanted token: the prefix before the position that predicts it (the prompt, for a
-    rollout) and the suffix. Rows with the same prefix (a GRPO group's G completions) share one prefix forward.
+    rollout) and the suffix. Rows with the same prefix (a GRPO group's G completions) share one prefix forward, when
+    that saves more than ``min_saving`` of the trunk tokens of a plain forward over the whole rows; otherwise (and
+    with ``min_saving`` None) the plan is the plain forward: no prefix, every row from position 0.
 
     Args:
         input_ids: [M, S] int64, right-padded (host; a device tensor is copied to the host first).
@@ -89,12 +100,19 @@ def plan_forward(input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mas
         want = want & token_mask.cpu()[:, 1:].bool()
     first = torch.where(want.any(1), want.int().argmax(1), 0)  # [M] first predicting position = prefix length
     width = int(first.max()) if m else 0  # P
-    prefix_ids, owner, prefix_rows = None, torch.zeros(m, dtype=torch.int64), torch.zeros(m, 0, dtype=torch.int64)
-    prefix_mask = torch.zeros(0, 0, dtype=torch.int64)
-    if width > 0:  # each distinct prefix once, in the order rows first name it
+    inverse = None
+    if width > 0:
         inside = arange[:, :width] < first[:, None]  # [M, P]
         keyed = torch.where(inside, input_ids[:, :width], -1)  # [M, P]; token ids are >= 0, so lengths tell apart
         _, inverse = torch.unique(keyed, dim=0, return_inverse=True)  # [M] sorted-order id of each row's prefix
+        k = int(inverse.max()) + 1
+        shared = k * width + m * int((input_lengths - first).max())  # trunk tokens of the shared-prefix forward
+        if min_saving is None or shared >= (1 - min_saving) * m * int(input_lengths.max()):
+            first, width = torch.zeros_like(first), 0  # the plain forward
+    prefix_ids, owner, prefix_rows = None, torch.zeros(m, dtype=torch.int64), torch.zeros(m, 0, dtype=torch.int64)
+    prefix_mask = torch.zeros(0, 0, dtype=torch.int64)
+    if width > 0:  # each distinct prefix once, in the order rows first name it
+        assert inverse is not None
         first_row = torch.full((int(inverse.max()) + 1,), m).scatter_reduce(0, inverse, torch.arange(m), "amin")  # [k]
         order = first_row.argsort()  # [k] sorted id -> first-appearance rank
         rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))  # [k]
@@ -157,7 +175,10 @@ def forward_logprobs(
     """
     from transformers import DynamicCache
 
-    p = plan_forward(input_ids, input_lengths, token_mask).to(device_of(model))
+    device = device_of(model)
+    p = plan_forward(input_ids, input_lengths, token_mask, min_saving=SHARED_PREFIX_MIN_SAVING.get(device.type, 0.0))
+    unpadded = p.prefix_ids is None and bool((input_lengths == input_ids.shape[1]).all())  # host: whole rows, no padding
+    p = p.to(device)
     cache = None
     if p.prefix_ids is not None:  # encode each distinct prefix once, then give every row its prefix's KV cache
         cache = DynamicCache(config=model.config)
@@ -167,8 +188,9 @@ def forward_logprobs(
         mask = None if on_accelerator(device_of(model)) else p.prefix_mask
         hidden_states(model, p.prefix_ids, mask, precision=precision, past_key_values=cache, use_cache=True)
         cache.batch_select_indices(p.owner)
+    # a plain forward over unpadded rows needs no mask: causal attention alone (SDPA's flash kernel on CUDA)
     hidden = hidden_states(
-        model, p.suffix_ids, p.attention_mask, precision=precision, position_ids=p.positions,
+        model, p.suffix_ids, None if unpadded else p.attention_mask, precision=precision, position_ids=p.positions,
         past_key_values=cache, use_cache=cache is not None,
     )  # [M, R, H]
     lp = lm_head(model, precision).token_logprobs(hidden[p.rows, p.cols], p.targets, temperature)  # [T]
@@ -181,11 +203,13 @@ def batched_logprobs(
     input_lengths: torch.Tensor,
     token_mask: torch.Tensor,
     *,
-    batch_size: int,
+    batch_size: int | None,
     precision: str,
     temperature: float = 1.0,
+    max_tokens: int | None = None,
 ) -> torch.Tensor:
-    """:func:`forward_logprobs` over micro-batches of ``batch_size`` rows, without gradients.
+    """:func:`forward_logprobs` over micro-batches of consecutive rows, at most ``batch_size`` rows (None: no cap) and
+    ``max_tokens`` padded tokens (None: no budget) each (`rl.backends.engine.micro_batch_slices`), without gradients.
 
     Args:
         token_mask: [N, S] bool, True on response tokens: the only tokens whose logprobs are computed.
@@ -193,11 +217,12 @@ def batched_logprobs(
     Returns:
         [N, S] float32 on the host, 0 outside ``token_mask``: computed into one device buffer, copied back once.
     """
+    from rl.backends.engine import micro_batch_slices
+
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device_of(model))  # [N, S]
     with torch.no_grad(), autocast(model, precision):  # one block: weights are cast once (when they require grad)
         # consecutive rows: a rollout's groups stay together and share their prompt
-        for a in range(0, input_ids.shape[0], batch_size):
-            rows = slice(a, a + batch_size)
+        for rows in micro_batch_slices(input_lengths, max_rows=batch_size, max_tokens=max_tokens):
             width = int(input_lengths[rows].max())
             out[rows, :width] = forward_logprobs(
                 model,

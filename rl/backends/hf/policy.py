@@ -108,22 +108,37 @@ class HFPolicy(PolicyBackend):
         if self._reference is None:
             from rl.backends.hf.model import load_model
 
-            self._reference = load_model(self._reference_path)
+            self._reference = load_model(self._reference_path, dtype=self._reference_dtype())
             self._reference.requires_grad_(False)
+
+    def _reference_dtype(self) -> torch.dtype:
+        """bfloat16 on CUDA where ``model.precision`` resolves to bfloat16: the frozen reference needs no float32
+        master copy (half the memory, and no per-forward weight cast: autocast caches casts only of weights that
+        require grad). float32 on the CPU, where its logprobs stay those of the float32 base model."""
+        from rl.precision import resolve
+
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return torch.bfloat16 if device.type == "cuda" and resolve(self._cfg.model.precision, device) == "bfloat16" else torch.float32
 
     def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
         self.load_reference_policy()
         return self._logprobs(self._reference, batch, micro_batch_size)
 
     def _logprobs(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None) -> torch.Tensor:
+        from rl.backends.engine import micro_batch_limits
         from rl.backends.hf.logprobs import batched_logprobs
+        from rl.precision import device_of
 
+        rows, tokens = micro_batch_limits(self._cfg, model.config, device_of(model), train=False)
+        if micro_batch_size is not None:  # the caller's row count, alone
+            rows, tokens = micro_batch_size, None
         return batched_logprobs(
             model,
             batch[F.INPUT_IDS],
             batch[F.INPUT_LENGTHS],
             batch[F.TOKEN_MASK],
-            batch_size=micro_batch_size or self._cfg.optim.logprob_batch_size,
+            batch_size=rows,
+            max_tokens=tokens,
             precision=self._cfg.model.precision,
             temperature=self._cfg.generation.temperature,
         )  # [N, S]
@@ -148,7 +163,7 @@ class HFPolicy(PolicyBackend):
         device = device_of(model)
         values = torch.zeros(n, max(s - 1, 0), k, device=device)  # [N, S-1, k]
         indices = torch.zeros(n, max(s - 1, 0), k, dtype=torch.int64, device=device)  # [N, S-1, k]
-        mbs = micro_batch_size or self._cfg.optim.logprob_batch_size
+        mbs = micro_batch_size or self._cfg.optim.logprob_batch_size or 8
         with torch.no_grad(), autocast(model, precision):
             head = lm_head(model, precision)
             for a in range(0, n, mbs):

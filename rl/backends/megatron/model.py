@@ -6,6 +6,8 @@ The weight mapping itself is `rl.backends.megatron.convert`; the model-parallel 
 
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import os
 import socket
@@ -177,10 +179,11 @@ def build_gpt_model(
 ) -> Any:
     """This rank's stage of megatron-core's ``GPTModel`` (its tensor-parallel shard of its pipeline stage), with
     freshly initialised weights, in eval mode; load real ones with :func:`load_hf_state_dict`. Its LM head runs in
-    float32 whatever ``compute_dtype`` the trunk runs in (:func:`float32_lm_head`).
+    in ``compute_dtype`` on the positions a caller names, float32 on every position otherwise (:func:`selective_lm_head`).
 
     The layers are Transformer Engine's when it is installed, megatron-core's local ones otherwise (those have neither
-    context nor sequence parallelism). Needs :func:`init_model_parallel` first.
+    context nor sequence parallelism), with torch's ``scaled_dot_product_attention`` as their core attention
+    (:func:`sdpa_attention_class`: flash attention on CUDA instead of the local spec's unfused softmax over [b, h, s, s]). Needs :func:`init_model_parallel` first.
 
     Raises:
         ValueError: ``context_parallel_size`` > 1 or ``sequence_parallel`` without Transformer Engine; what
@@ -203,6 +206,7 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()  # torch's fused attention
     config = transformer_config(layout, hf_config, mcfg, compute_dtype=compute_dtype, use_cpu_initialization=torch.device(device).type == "cpu")
     model = GPTModel(
         config=config,
@@ -217,26 +221,107 @@ def build_gpt_model(
         **rope_settings(hf_config),
     )
     if model.post_process:
-        float32_lm_head(model.output_layer)
+        selective_lm_head(model.output_layer, compute_dtype, sequence_parallel=mcfg.sequence_parallel)
     model.to(device)
     model.eval()
     return model
 
 
-def float32_lm_head(layer: torch.nn.Module) -> None:
-    """Run ``layer`` (the LM head) outside autocast, in float32, from here on.
+@functools.cache
+def sdpa_attention_class() -> type:
+    """megatron-core's local ``DotProductAttention`` whose forward is torch's ``scaled_dot_product_attention`` (flash or
+    memory-efficient kernels; grouped-query attention without repeating the key-value heads) where it applies: causal
+    self-attention without an explicit mask, dropout, window or query-key layer scaling. Anything else runs the
+    parent's unfused forward. Same maths: softmax(q k^T * scale + causal mask) v (Vaswani et al. 2017; megatron-core's
+    ``DotProductAttention``)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
 
-    Under bf16 autocast the head's logits would be bf16: a logit near 20 is then rounded to a multiple of 0.125, and
-    every logprob and top-k value with it. The transformers back-end recomputes the logits that decide a logprob in
-    float32 (`rl.backends.hf.lm_head`); here the whole head runs in float32, [tokens, V / t] per tensor-parallel rank
-    (2 H V FLOPs per token, small beside the trunk's for models of 1B parameters and more)."""
+    class SDPAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):  # noqa: ANN001, ANN202
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            plain = (
+                attention_mask is None and attention_bias is None and packed_seq_params is None and mask_type == AttnMaskType.causal
+                and not (self.training and self.attention_dropout.p > 0) and not self.config.apply_query_key_layer_scaling
+                and getattr(self.config, "window_size", None) is None
+            )
+            if not plain:
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+            sq, b = query.shape[0], query.shape[1]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, head_dim]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+            )  # [b, np, sq, hn]
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)  # [sq, b, np * hn]
+
+    return SDPAttention
+
+
+def selective_lm_head(layer: torch.nn.Module, compute_dtype: torch.dtype, *, sequence_parallel: bool = False) -> None:
+    """Run ``layer`` (the LM head, a vocab-parallel ``ColumnParallelLinear``) only where it is asked to, from here on.
+
+    With ``layer.wanted = (s_idx, b_idx)`` ([T] int64 each, on the device: the positions of the [s, b, H] hidden
+    states that predict a wanted token) the head multiplies those T rows alone, in ``compute_dtype`` with float32
+    logits out (:func:`head_matmul`), and returns [T, 1, V/t] (megatron's GPTModel hands it on as [1, T, V/t]); the
+    transformers back-end does the same (`rl.backends.hf.lm_head`). With ``layer.wanted = None`` (top-k logits of
+    every position) it runs on every position in float32, outside autocast: bf16 *output* would round a logit near
+    20 to a multiple of 0.125. Under sequence parallelism each rank holds part of the positions: the head then
+    always runs on every position (float32)."""
     forward = layer.forward
+    layer.wanted = None
 
-    def head(input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=input_.device.type, dtype=torch.bfloat16, enabled=False):  # dtype given: never read from thread state
-            return forward(input_.float(), *args, **kwargs)
+    def head(input_: torch.Tensor, weight: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        wanted = None if sequence_parallel else layer.wanted
+        if wanted is None:
+            with torch.autocast(device_type=input_.device.type, dtype=torch.bfloat16, enabled=False):  # dtype given: never read from thread state
+                return forward(input_.float(), weight=weight, **kwargs)
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        s_idx, b_idx = wanted
+        x = copy_to_tensor_model_parallel_region(input_[s_idx, b_idx])  # [T, H]; backward: all-reduce over TP
+        w = weight if weight is not None else layer.weight  # [V/t, H]
+        return head_matmul(x, w, compute_dtype)[:, None, :], None  # [T, 1, V/t]
 
     layer.forward = head  # type: ignore[method-assign]
+
+
+def head_matmul(x: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """[T, V] float32 logits ``x @ weight.T`` (``x`` [T, H], ``weight`` [V, H]) with both operands in ``compute_dtype``:
+    bf16 inputs with float32 output where torch's ``mm(..., out_dtype=float32)`` exists for the device (CUDA), else
+    the bf16 product widened; the backward's two matmuls in ``compute_dtype`` too (as autocast runs a linear layer)."""
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=False):
+        return _HeadMatmul.apply(x, weight, compute_dtype)
+
+
+@functools.cache
+def _mm_out_dtype(device_type: str) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` takes bf16 operands on this device type."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+class _HeadMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, compute_dtype):
+        xl, wl = x.to(compute_dtype), weight.to(compute_dtype)
+        ctx.save_for_backward(xl, wl)
+        ctx.dtypes = x.dtype, weight.dtype
+        if compute_dtype == torch.float32:
+            return xl @ wl.T
+        if _mm_out_dtype(x.device.type):
+            return torch.mm(xl, wl.T, out_dtype=torch.float32)
+        return (xl @ wl.T).float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        xl, wl = ctx.saved_tensors
+        low = grad.to(xl.dtype)  # [T, V]
+        grad_x = (low @ wl).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        grad_w = (low.T @ xl).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
 
 
 def uses_te_layernorm(model: torch.nn.Module) -> bool:

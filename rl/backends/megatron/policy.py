@@ -11,8 +11,11 @@ How it runs (Megatron-LM's training loop, reduced to what GRPO needs):
   on the last stage, on this context-parallel rank's part of each sequence (`rl.backends.megatron.parallel`), with
   token logprobs over the vocabulary split across tensor-parallel ranks (``vocab_parallel_cross_entropy``);
 - parameters are float32 and forward passes run under ``torch.autocast`` in ``model.precision`` (as in the
-  transformers back-end), so checkpoints hold the float32 master weights exactly; the LM head runs in float32
-  (`rl.backends.megatron.model.float32_lm_head`);
+  transformers back-end), so checkpoints hold the float32 master weights exactly; the LM head runs only on the
+  positions that predict a wanted token, in the compute dtype with float32 logits
+  (`rl.backends.megatron.model.selective_lm_head`);
+- the update's loop, loss, optimizer and metrics are the shared engine's (`rl.backends.engine`); this back-end gives
+  it the forward and backward of micro-batches and its gradient reduction (:class:`MegatronTrainEngine`);
 - after the last micro-batch of an update the gradients are summed over the data- and context-parallel ranks
   (`rl.distributed.all_reduce_gradients`), the tied embedding's over the first and last pipeline stages and the
   sequence-parallel layernorms' over the tensor-parallel ranks (megatron-core's ``finalize_model_grads`` does the
@@ -24,13 +27,13 @@ of megatron-core's bf16 parameters with float32 master copies in its optimizer (
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from dataplane import fields as F
+from rl.backends.engine import LossFn, MicroBatchLoss, TrainEngine
 from rl.backends.interfaces import PolicyBackend, PolicyVersion, TopkLogits
 from rl.config import GRPOConfig
 
@@ -161,7 +164,7 @@ class MegatronPolicy(PolicyBackend):
 
     def load_checkpoint(self, version: PolicyVersion, *, with_optimizer: bool) -> None:
         from rl import checkpoint
-        from rl.backends.hf.train import make_optimizer
+        from rl.backends.engine import make_optimizer
 
         self._setup()
         so = self._cfg.dataplane.storage_options
@@ -237,31 +240,53 @@ class MegatronPolicy(PolicyBackend):
         return out.items()
 
     # ------------------------------------------------------------------------------------ forward passes
+    def _slices(self, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None, *, train: bool) -> list[slice]:
+        """The micro-batches of ``batch`` (`rl.backends.engine.micro_batch_slices`): ``micro_batch_size`` rows each
+        when given; else the config's limits (`rl.backends.engine.micro_batch_limits`). Under pipeline parallelism
+        every micro-batch has the same row count (the stages exchange fixed shapes): no token budget."""
+        from rl.backends.engine import CPU_MICRO_BATCH_ROWS, micro_batch_limits, micro_batch_slices
+
+        rows, tokens = micro_batch_limits(self._cfg, self._hf_config, self._device, train=train)
+        if micro_batch_size is not None:
+            rows, tokens = micro_batch_size, None
+        if self._mcfg.pipeline_model_parallel_size > 1:
+            rows, tokens = rows or CPU_MICRO_BATCH_ROWS, None
+        return micro_batch_slices(batch[F.INPUT_LENGTHS], max_rows=rows, max_tokens=tokens)
+
     def _run(
         self,
         model: torch.nn.Module,
         batch: Mapping[str, torch.Tensor],
-        micro_batch_size: int,
+        slices: Sequence[slice],
         on_logits: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]],
         *,
         forward_only: bool,
+        every_position: bool = False,
     ) -> list[dict[str, Any]]:
-        """Micro-batches of ``batch`` through megatron-core's schedule; ``on_logits(logits, mb)`` runs on the last
-        stage with this rank's [m, s, V_pad/t] logits and returns ``(loss, outputs)``. Returns the outputs of every
-        micro-batch in order (last stage only; empty elsewhere)."""
+        """Micro-batches ``batch[s]`` (``s`` in ``slices``) through megatron-core's schedule; ``on_logits(logits, mb)``
+        runs on the last stage with this rank's logits and returns ``(loss, outputs)``: [m, s, V_pad/t] float32 with
+        ``every_position``, else [1, T, V_pad/t] of the T positions that predict a wanted token (``mb["wanted_b"]``,
+        ``mb["wanted_s"]``; :func:`_token_logprobs` reads either). Returns the outputs of every micro-batch in order
+        (last stage only; empty elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from rl.precision import autocast
 
-        micro = _micro_batches(batch, micro_batch_size, self._mcfg)
+        micro = _micro_batches(batch, slices, self._mcfg)
         if not micro:
             return []
         device = self._device
+        head = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
 
         def step(data_iterator: Any, module: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             mb = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+            if head is not None:
+                head.wanted = None if every_position else (mb["wanted_s"], mb["wanted_b"])
             with autocast(model, self._cfg.model.precision):
-                logits = module(mb["input_ids"], mb["position_ids"], None)  # [m, s, V_pad/t] on the last stage
+                logits = module(mb["input_ids"], mb["position_ids"], None)  # on the last stage: see above
+            if head is not None:
+                mb["selected"] = not every_position and not self._mcfg.sequence_parallel
+                head.wanted = None
 
             def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
                 loss, outputs = on_logits(output, mb)
@@ -274,23 +299,31 @@ class MegatronPolicy(PolicyBackend):
             data_iterator=iter(micro),
             model=[model],
             num_microbatches=len(micro),
-            seq_length=int(micro[0]["full_length"]),
-            micro_batch_size=int(micro[0]["input_ids"].shape[0]),
+            seq_length=max(int(m["full_length"]) for m in micro),
+            micro_batch_size=max(int(m["input_ids"].shape[0]) for m in micro),
             forward_only=forward_only,
         )
 
     def _logprobs(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None) -> torch.Tensor:
-        from rl.backends.megatron.parallel import vocab_parallel_token_logprobs
-
-        vocab, temperature = self._layout.vocab_size, self._cfg.generation.temperature
-
         def on_logits(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-            lp = vocab_parallel_token_logprobs(logits, mb["targets"], vocab_size=vocab, temperature=temperature)  # [m, s]
+            lp = self._token_logprobs(logits, mb)  # [m, s]
             return lp.sum() * 0, {"logprobs": lp.detach()}
 
         with torch.no_grad():
-            outs = self._run(model, batch, micro_batch_size or self._cfg.optim.logprob_batch_size, on_logits, forward_only=True)
+            outs = self._run(model, batch, self._slices(batch, micro_batch_size, train=False), on_logits, forward_only=True)
         return self._assemble(batch, [o["logprobs"] for o in outs])
+
+    def _token_logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[m, s] float32 logprobs of ``mb["targets"]`` (prediction-aligned), 0 where not wanted, from the head's
+        output: [1, T, V_pad/t] on the wanted positions (``mb["selected"]``) or [m, s, V_pad/t] on all."""
+        from rl.backends.megatron.parallel import vocab_parallel_token_logprobs
+
+        vocab, temperature = self._layout.vocab_size, self._cfg.generation.temperature
+        if not mb.get("selected"):
+            return vocab_parallel_token_logprobs(logits, mb["targets"], vocab_size=vocab, temperature=temperature)  # [m, s]
+        b, s = mb["wanted_b"], mb["wanted_s"]
+        lp = vocab_parallel_token_logprobs(logits[0], mb["targets"][b, s], vocab_size=vocab, temperature=temperature)  # [T]
+        return lp.new_zeros(mb["targets"].shape).index_put((b, s), lp)  # [m, s]
 
     def _assemble(self, batch: Mapping[str, torch.Tensor], parts: list[torch.Tensor]) -> torch.Tensor:
         """[N, S] logprobs aligned with ``input_ids``, 0 outside ``token_mask``, from the micro-batches' prediction-aligned
@@ -336,7 +369,8 @@ class MegatronPolicy(PolicyBackend):
         values = torch.zeros(n, max(s - 1, 0), k)  # [N, S-1, k]
         indices = torch.zeros(n, max(s - 1, 0), k, dtype=torch.int64)
         with torch.no_grad():
-            outs = self._run(self.model, batch, micro_batch_size or self._cfg.optim.logprob_batch_size, on_logits, forward_only=True)
+            slices = self._slices(batch, micro_batch_size or self._cfg.optim.logprob_batch_size or 8, train=False)
+            outs = self._run(self.model, batch, slices, on_logits, forward_only=True, every_position=True)
         if outs:
             live = (torch.arange(max(s - 1, 0))[None, :] < (lengths[:, None] - 1))[..., None]  # [N, S-1, 1]
             values = _place([o["values"] for o in outs], n, s - 1).float() * live
@@ -371,91 +405,50 @@ class MegatronPolicy(PolicyBackend):
         return metrics
 
     def _train(self, batch: Mapping[str, torch.Tensor], update_sizes: Sequence[int] | None) -> dict[str, float]:
-        """The transformers back-end's ``train_on_batch`` (same arguments, metrics and errors) on megatron-core's model."""
+        """The shared update (`rl.backends.engine.train_on_batch`: same arguments, metrics and errors as the
+        transformers back-end's) on megatron-core's model."""
+        from rl.backends.engine import train_on_batch
+
+        assert self._optimizer is not None
+        return train_on_batch(MegatronTrainEngine(self), self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes)
+
+    def _forward_backward(self, rows: Any, slices: Sequence[slice], loss_fn: Any) -> list[tuple[slice, Any]]:
+        """:meth:`MegatronTrainEngine.forward_backward`: the micro-batches through megatron-core's schedule, the
+        shared loss on the last stage on this context-parallel rank's positions. A zero column in front makes the
+        prediction-aligned fields (:func:`_micro_batches`) the token-aligned [m, 1 + s] tensors the loss expects (it
+        drops position 0)."""
         from megatron.core import parallel_state
 
-        from rl import distributed
-        from rl.backends.hf.train import combine_step_metrics, step_batch
+        from rl.backends.engine import MicroBatchLoss
         from rl.filters import seq_mult_prob_error
-        from rl.loss import accumulate, loss_mask
-
-        cfg, model, optimizer = self._cfg, self.model, self._optimizer
-        assert optimizer is not None
-        td, update_sizes = step_batch(batch, cfg, update_sizes)
-        n = int(td.batch_size[0])
-        threshold = cfg.loss.seq_logprob_error_threshold
-        reports = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-        first_cp = parallel_state.get_context_parallel_rank() == 0
-        dp_group = parallel_state.get_data_parallel_group()
-        totals: dict[str, float] = {}
-        losses, norms, seq_errors = [], [], []
-        model.train()
-        for rows in td.split(list(update_sizes)):
-            mask = loss_mask(rows[F.TOKEN_MASK], rows[F.SAMPLE_MASK])
-            counts = distributed.all_reduce(torch.stack([mask.sum().double(), rows[F.SAMPLE_MASK].double().sum()]), group=dp_group)  # [2]
-            global_toks, global_seqs = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
-            optimizer.zero_grad(set_to_none=True)
-            on_logits = functools.partial(self._loss_on_logits, global_toks=global_toks, global_seqs=global_seqs)
-            outs = self._run(model, rows, cfg.optim.train_micro_batch_size, on_logits, forward_only=False) if rows.batch_size[0] else []
-            step_loss = 0.0
-            for o in outs if reports else ():
-                step_loss += float(o["loss"])
-                for k, v in o["sums"].items():
-                    accumulate(totals, {k: v})
-            if reports and rows.batch_size[0]:  # every context-parallel rank: _assemble gathers over them
-                prev = rows[F.PREV_LOGPROBS] if F.PREV_LOGPROBS in rows.keys() else self._assemble(rows, [o["logprobs"] for o in outs])
-                if first_cp:
-                    errors = seq_mult_prob_error(rows[F.GENERATION_LOGPROBS], prev, rows[F.TOKEN_MASK])  # [m]
-                    seq_errors.append(errors[rows[F.SAMPLE_MASK].bool()])
-            norms.append(self._finish_gradients())
-            optimizer.step()
-            self._scheduler.step()
-            losses.append(step_loss)
-        model.eval()
-        optimizer.zero_grad(set_to_none=True)
-        masked = n - int(td[F.SAMPLE_MASK].bool().sum()) if reports and first_cp else 0
-        local = (totals, losses, torch.cat(seq_errors) if seq_errors else torch.zeros(0), masked) if reports else None
-        parts = [p for p in distributed.gather_objects(local) if p is not None]  # one per (replica, context-parallel rank)
-        metrics = combine_step_metrics(parts, masking=threshold is not None)
-        metrics.update(grad_norm=sum(norms) / len(norms), lr=float(self._scheduler.get_last_lr()[0]))
-        return metrics
-
-    def _loss_on_logits(
-        self, logits: torch.Tensor, mb: dict[str, torch.Tensor], *, global_toks: float, global_seqs: float
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The GRPO loss of one micro-batch on this context-parallel rank's positions (`rl.loss.clipped_pg_loss_with`).
-
-        ``mb``'s per-token fields are prediction-aligned and split (:func:`_micro_batches`); a zero column in front
-        makes them the token-aligned [m, 1 + s] tensors the loss expects (it drops position 0).
-        """
-        from rl.backends.megatron.parallel import vocab_parallel_token_logprobs
-        from rl.loss import LossInputs, clipped_pg_loss_with
-
-        cfg = self._cfg
-        lp = vocab_parallel_token_logprobs(logits, mb["targets"], vocab_size=self._layout.vocab_size, temperature=cfg.generation.temperature)  # [m, s]
 
         def aligned(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x.new_zeros(x.shape[0], 1), x], 1)  # [m, 1 + s]
 
-        curr = aligned(lp)
-        prev = aligned(mb[F.PREV_LOGPROBS].float()) if F.PREV_LOGPROBS in mb else curr.detach()
-        inputs = LossInputs(
-            logprobs=curr,
-            prev_logprobs=prev,
-            reference_policy_logprobs=aligned(mb[F.REFERENCE_POLICY_LOGPROBS].float()),
-            generation_logprobs=aligned(mb[F.GENERATION_LOGPROBS].float()),
-            advantages=aligned(mb[F.ADVANTAGES].float()),
-            token_mask=aligned(mb[F.TOKEN_MASK]).bool(),
-            sample_mask=mb[F.SAMPLE_MASK],
-        )
-        loss, sums = clipped_pg_loss_with(inputs, cfg.loss, global_valid_toks=global_toks, global_valid_seqs=global_seqs)
-        return loss, {"loss": loss.detach(), "sums": {k: v.detach() for k, v in sums.items()}, "logprobs": lp.detach()}
+        def on_logits(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+            lp = self._token_logprobs(logits, mb)  # [m, s]
+            fields = {k: aligned(mb[k].float()) for k in (F.PREV_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS, F.GENERATION_LOGPROBS, F.ADVANTAGES) if k in mb}
+            fields[F.TOKEN_MASK] = aligned(mb[F.TOKEN_MASK]).bool()
+            fields[F.SAMPLE_MASK] = mb[F.SAMPLE_MASK]
+            result = loss_fn(aligned(lp), fields)
+            return result.loss, {"result": result, "logprobs": lp.detach()}
 
-    def _finish_gradients(self) -> float:
+        outs = self._run(self.model, rows, slices, on_logits, forward_only=False)
+        if not outs:
+            return []
+        pairs = [(where, o["result"]) for where, o in zip(slices, outs, strict=True)]
+        if parallel_state.get_context_parallel_world_size() > 1:  # each rank saw part of every row: whole-row errors
+            prev = rows[F.PREV_LOGPROBS] if F.PREV_LOGPROBS in rows.keys() else self._assemble(rows, [o["logprobs"] for o in outs])
+            errors = seq_mult_prob_error(rows[F.GENERATION_LOGPROBS], prev, rows[F.TOKEN_MASK]).to(self._device)  # [n]
+            pairs = [(w, MicroBatchLoss(loss=r.loss, sums=r.sums, errors=errors[w])) for w, r in pairs]
+        n = [w.stop - w.start for w, _ in pairs]
+        return [(w, MicroBatchLoss(loss=r.loss, sums=r.sums, errors=r.errors[:k])) for (w, r), k in zip(pairs, n, strict=True)]  # padding rows out
+
+    def _finish_gradients(self, max_norm: float) -> torch.Tensor:
         """After an update's last micro-batch: sum the gradients over the replicas and context-parallel ranks, the tied
         embedding's over the first and last stages, sequence-parallel layernorms' over the tensor-parallel ranks; clip
-        to ``optim.max_grad_norm`` by the model-parallel norm (megatron-core's ``get_grad_norm_fp32``). Returns the
-        norm before clipping."""
+        to ``max_norm`` (inf: no clipping) by the model-parallel norm (megatron-core's ``get_grad_norm_fp32``). Returns
+        the norm before clipping (0-dim float64, host)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
@@ -483,11 +476,10 @@ class MegatronPolicy(PolicyBackend):
         params = [p for p in params if p.grad is not None]
         counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
         norm = float(get_grad_norm_fp32(counted, grad_stats_parallel_group=parallel_state.get_model_parallel_group()))
-        if self._cfg.optim.max_grad_norm > 0:  # torch's clip_grad_norm_ with that norm: scale by max / (norm + 1e-6) if < 1
-            scale = self._cfg.optim.max_grad_norm / (norm + 1e-6)
-            if scale < 1:
-                torch._foreach_mul_([p.grad for p in params], scale)
-        return norm
+        scale = max_norm / (norm + 1e-6)  # torch's clip_grad_norm_ with that norm: scale by max / (norm + 1e-6) if < 1
+        if scale < 1:
+            torch._foreach_mul_([p.grad for p in params], scale)
+        return torch.tensor(norm, dtype=torch.float64)
 
     def shutdown(self) -> bool:
         self._model = self._reference = self._optimizer = self._scheduler = self._gathered = None
@@ -495,14 +487,57 @@ class MegatronPolicy(PolicyBackend):
         return True
 
 
-def _micro_batches(batch: Mapping[str, torch.Tensor], size: int, mcfg: Any) -> list[dict[str, torch.Tensor]]:
-    """The rows of ``batch`` as micro-batches of ``size`` rows for megatron-core's schedule, on the CPU.
+class MegatronTrainEngine(TrainEngine):
+    """:class:`MegatronPolicy` as a :class:`rl.backends.engine.TrainEngine`: megatron-core's schedule runs the
+    micro-batches; counts are summed over the data-parallel group; the last pipeline stage's first tensor-parallel
+    rank reports the metrics, its first context-parallel rank the per-row ones."""
+
+    def __init__(self, policy: MegatronPolicy) -> None:
+        self.policy = policy
+        self.device = policy._device
+
+    @property
+    def model_config(self) -> Any:
+        return self.policy._hf_config
+
+    def micro_batches(self, rows: Any, cfg: GRPOConfig) -> list[slice]:
+        return self.policy._slices(rows, None, train=True)
+
+    def forward_backward(self, rows: Any, slices: Sequence[slice], loss_fn: LossFn) -> list[tuple[slice, MicroBatchLoss]]:
+        return self.policy._forward_backward(rows, slices, loss_fn)
+
+    def finish_gradients(self, max_norm: float) -> torch.Tensor:
+        return self.policy._finish_gradients(max_norm)
+
+    def reports(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    def reports_rows(self) -> bool:
+        from megatron.core import parallel_state
+
+        return self.reports() and parallel_state.get_context_parallel_rank() == 0
+
+    def count_group(self) -> Any:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def train_mode(self, on: bool) -> None:
+        self.policy.model.train(on)
+
+
+def _micro_batches(batch: Mapping[str, torch.Tensor], slices: Sequence[slice], mcfg: Any) -> list[dict[str, torch.Tensor]]:
+    """The rows ``batch[s]`` (``s`` in ``slices``) as micro-batches for megatron-core's schedule, on the CPU.
 
     Per-token fields become prediction-aligned (entry p belongs to the token at p + 1: ``targets`` are the next tokens,
     ``token_mask`` and the logprob fields are shifted likewise), padded to a length the context- and sequence-parallel
     split allows, and split to this context-parallel rank's positions (``position_ids`` say which). Under pipeline
-    parallelism every micro-batch has the same shape (the stages exchange fixed-size activations): ``size`` rows
-    (padding rows have an empty mask) of the batch's longest length; otherwise each is cut to its own longest row.
+    parallelism every micro-batch has the same shape (the stages exchange fixed-size activations): the largest
+    slice's rows (padding rows have an empty mask) of the batch's longest length; otherwise each is cut to its own
+    longest row. ``wanted_b``, ``wanted_s`` ([T] int64 each) are the (row, position) of this rank's wanted
+    prediction-aligned positions (``token_mask``), where the LM head runs (`rl.backends.megatron.model`).
     """
     from megatron.core import parallel_state
 
@@ -517,9 +552,9 @@ def _micro_batches(batch: Mapping[str, torch.Tensor], size: int, mcfg: Any) -> l
         return padded_length(length, context_parallel_size=cp, tensor_parallel_size=mcfg.tensor_model_parallel_size, sequence_parallel=mcfg.sequence_parallel)
 
     whole = pad_to(int(lengths.max())) if n else 0
+    size = max((r.stop - r.start for r in slices), default=0)
     out = []
-    for a in range(0, n, size):
-        rows = slice(a, min(a + size, n))
+    for rows in slices:
         width = whole if fixed else pad_to(int(lengths[rows].max()))
         m = size if fixed else rows.stop - rows.start
         def fit(x: torch.Tensor) -> torch.Tensor:  # [r, <= width] -> [m, width], zero-padded
@@ -539,6 +574,10 @@ def _micro_batches(batch: Mapping[str, torch.Tensor], size: int, mcfg: Any) -> l
             mb[key] = context_parallel_split(mb[key], rank=cp_rank, size=cp)
         mb["position_ids"] = context_parallel_split(positions, rank=cp_rank, size=cp)
         mb["full_length"] = torch.tensor(width)
+        if F.TOKEN_MASK in mb:
+            mb["wanted_b"], mb["wanted_s"] = mb[F.TOKEN_MASK].bool().nonzero(as_tuple=True)  # host: no device sync
+        else:
+            mb["wanted_b"] = mb["wanted_s"] = torch.zeros(0, dtype=torch.int64)
         out.append(mb)
     return out
 

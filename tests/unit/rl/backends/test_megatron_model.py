@@ -34,6 +34,7 @@ def _round_trip(rank: int, model_dir: str, out: str) -> None:
     from rl.backends.megatron.convert import LlamaLayout
     from rl.backends.megatron.model import HFFolder, build_gpt_model, gather_hf_state_dict, init_model_parallel, load_hf_state_dict
     from rl.config import MegatronConfig
+    from tests.megatron_cpu import megatron_on_cpu
 
     del rank
     torch.set_num_threads(1)
@@ -46,6 +47,13 @@ def _round_trip(rank: int, model_dir: str, out: str) -> None:
     assert model.embedding.word_embeddings.weight.shape == (128, 64)
     assert float(model.rotary_pos_emb.inv_freq[1]) == pytest.approx(50000.0 ** (-2 / 16))  # rope_theta reached the model
     load_hf_state_dict(model, AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), layout, mcfg)
+    # the core attention is torch's SDPA, with the local spec's unfused attention's values (4 heads, 2 key-value groups)
+    attention = model.decoder.layers[0].self_attention.core_attention
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, 3, heads, 16, generator=gen, dtype=torch.float64) for heads in (4, 2, 2))  # [s, b, heads, head_dim]
+    parent = type(attention).__mro__[1]
+    with megatron_on_cpu():  # the parent's score buffer is placed on CUDA otherwise
+        sdpa_diff = (attention(q, k, v, None) - parent.forward(attention, q, k, v, None)).abs().max().item()
     gathered = gather_hf_state_dict(model, layout, mcfg)
     opt = torch.optim.AdamW(model.parameters())
     for p in model.parameters():
@@ -58,7 +66,7 @@ def _round_trip(rank: int, model_dir: str, out: str) -> None:
     checkpoint.load_trainer_state(f"{out}/ckpt", again, None, shard="megatron-tp0-pp0")
     saved, loaded = opt.state_dict()["state"], again.state_dict()["state"]
     same = saved.keys() == loaded.keys() and all(saved[i].keys() == loaded[i].keys() and all(torch.equal(saved[i][k], loaded[i][k]) for k in saved[i]) for i in saved)
-    torch.save({"gathered": gathered, "optimizer_state_equal": same}, f"{out}/result.pt")
+    torch.save({"gathered": gathered, "optimizer_state_equal": same, "attention": type(attention).__name__, "sdpa_diff": sdpa_diff}, f"{out}/result.pt")
 
 
 class _NoTokenizer:
@@ -81,6 +89,7 @@ def test_an_hf_checkpoint_goes_through_gptmodel_and_back_to_an_identical_hf_fold
     assert all(torch.equal(saved[k], original[k]) for k in original)
     assert ("lm_head.weight" in result["gathered"]) is not tied  # the keys save_pretrained writes
     assert result["optimizer_state_equal"]
+    assert result["attention"] == "SDPAttention" and result["sdpa_diff"] < 1e-12
 
 
 def test_the_trainer_state_of_one_back_end_is_refused_by_the_other(tmp_path):
@@ -135,3 +144,25 @@ def test_llama3_rope_scaling_maps_to_megatrons():
 
     config = LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     assert rope_settings(config) == {"rotary_base": 500000.0, "rope_scaling": True, "rope_scaling_factor": 32.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_megatron_head_matmul_is_a_linear_layer_in_the_compute_dtype_with_float32_logits(dtype):
+    """``head_matmul`` (the LM head on the wanted positions): float32 logits of the operands rounded to the compute dtype,
+    and the two backward matmuls of a linear layer, against float64 autograd on the same rounded operands."""
+    from rl.backends.megatron.model import head_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=gen, requires_grad=True)
+    w = torch.randn(40, 16, generator=gen, requires_grad=True)
+    out = head_matmul(x, w, dtype)
+    assert out.dtype == torch.float32 and out.shape == (5, 40)
+    xr, wr = (t.detach().to(dtype).double().requires_grad_() for t in (x, w))
+    ref = xr @ wr.T
+    assert (out.double() - ref).abs().max().item() < (0.1 if dtype == torch.bfloat16 else 1e-5)  # bf16 product rounded once
+    grad = torch.randn(5, 40, generator=gen)
+    out.backward(grad)
+    ref.backward(grad.double())
+    tol = 0.2 if dtype == torch.bfloat16 else 1e-5
+    assert x.grad.dtype == w.grad.dtype == torch.float32
+    assert (x.grad.double() - xr.grad).abs().max().item() < tol and (w.grad.double() - wr.grad).abs().max().item() < tol

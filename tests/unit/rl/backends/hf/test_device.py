@@ -101,7 +101,7 @@ def test_the_update_runs_on_the_device_reads_once_per_step_and_equals_the_cpu(ti
         assert math.isclose(got[k], v, rel_tol=1e-5, abs_tol=1e-7) or (math.isnan(v) and math.isnan(got[k])), k
     for (name, a), b in zip(cpu.named_parameters(), dev_model.parameters(), strict=True):
         assert (a - b).abs().max().item() < 1e-6, name
-    assert syncs == ["_read_step"]  # 4 micro-batches x updates, one read
+    assert syncs == ["read_step"]  # 4 micro-batches x updates, one read
 
 
 def test_an_update_without_rows_on_this_rank_keeps_its_gradient_norm_on_the_device(tiny):

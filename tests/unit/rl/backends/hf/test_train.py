@@ -170,24 +170,30 @@ def test_the_update_accumulates_indexed_gradients_reproducibly(tiny64, monkeypat
     """Identical runs of the default job at 2 threads ended ~1 ulp apart: on CPU with >1 thread the backward of
     ``x[idx]`` with repeated indices (``index_put_(accumulate=True)``: the shared-prompt KV select of
     ``forward_logprobs``, ``weight[targets]`` in the LM head) adds with unordered atomics once it spans 32,768
-    elements. The update runs with torch's deterministic algorithms (that kernel then runs serially), and leaves
-    the setting as it found it."""
-    import rl.backends.hf.train as train
+    elements. The update runs with torch's deterministic algorithms (that kernel then runs serially) on the CPU
+    unless ``optim.deterministic`` is false, and leaves the setting as it found it."""
+    import dataclasses
+
+    import rl.backends.engine as engine
 
     seen = []
-    real = train._micro_batch_loss
+    real = engine.micro_batch_loss
 
     def probe(*args, **kwargs):
         seen.append(torch.are_deterministic_algorithms_enabled())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "_micro_batch_loss", probe)
-    model = copy.deepcopy(tiny64)
+    monkeypatch.setattr(engine, "micro_batch_loss", probe)
     cfg = _cfg(4)
-    opt, sched = make_optimizer(model, cfg)
-    train_on_batch(model, opt, sched, _batch(), cfg)
-    assert seen == [True, True]
-    assert torch.are_deterministic_algorithms_enabled() is False
+    for switch, expected in ((None, True), (False, False), (True, True)):
+        seen.clear()
+        run = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, deterministic=switch))
+        model = copy.deepcopy(tiny64)
+        opt, sched = make_optimizer(model, run)
+        train_on_batch(model, opt, sched, _batch(), run)
+        assert seen == [expected, expected], switch
+        assert torch.are_deterministic_algorithms_enabled() is False
+    assert engine.resolve_deterministic(cfg, "cuda") is False  # CUDA's default (docs/gpu.md)
 
     # the kernel itself, at the size of SmolLM2's LM head: 20 of 20 repeats differed without the setting here
     torch.set_num_threads(2)  # the conftest pins 1; the race needs two
@@ -197,7 +203,7 @@ def test_the_update_accumulates_indexed_gradients_reproducibly(tiny64, monkeypat
         targets = torch.randint(3, 60, (1000,), generator=gen)  # repeated, as digits and EOS are
         grad = torch.randn(1000, 576, generator=gen)
         digests = set()
-        with train._reproducible_accumulation():
+        with engine.update_settings(cfg, "cpu"):
             for _ in range(10):
                 weight.grad = None
                 weight[targets].backward(grad)
