@@ -37,7 +37,7 @@ def pyflyte():
     [
         ('{"grpo": {"max_num_steps": "four"}}', "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted"),
         ('{"optim": {"lr": "fast"}}', "config optim.lr: expected a finite number, got the string 'fast'; write a number such as 0.5 or 1e-5"),
-        ('{"optim": {"lr_typo": 1}}', "config optim: unknown keys ['lr_typo']; use only ['logprob_batch_size', 'lr',"),
+        ('{"optim": {"lr_typo": 1}}', "config optim: unknown keys ['lr_typo']; use only ['deterministic', 'logprob_batch_size',"),
         ('{"grpo": {"max_num_steps": 0}}', "config grpo.max_num_steps: is 0; use at least 1"),
         ('{"grpo": {"val_at_start": "no"}}', "config grpo.val_at_start: expected true or false, got the string 'no'"),
     ],

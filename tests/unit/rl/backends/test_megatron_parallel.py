@@ -112,7 +112,9 @@ def _context_parallel_rank(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(context_parallel_size=2)
     try:
-        micro = _micro_batches(_batch(), 2, MegatronConfig(context_parallel_size=2))
+        batch = _batch()
+        n = int(batch["input_lengths"].shape[0])
+        micro = _micro_batches(batch, [slice(a, min(a + 2, n)) for a in range(0, n, 2)], MegatronConfig(context_parallel_size=2))
         torch.save(micro, f"{out}/rank{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
