@@ -152,12 +152,9 @@ def micro_batch_limits(cfg: GRPOConfig, model_config: Any, device: torch.device 
     budget; on CUDA no row cap and :func:`default_max_tokens`."""
     o = cfg.optim
     rows, tokens = (o.train_micro_batch_size, o.train_max_tokens_per_micro_batch) if train else (o.logprob_batch_size, o.logprob_max_tokens_per_micro_batch)
-    on_cpu = torch.device(device).type == "cpu"
-    if rows is None and (on_cpu or tokens is not None):
-        rows = CPU_MICRO_BATCH_ROWS if on_cpu and tokens is None else None
-    if tokens is None and not on_cpu:
-        tokens = default_max_tokens(model_config, device, train=train)
-    return rows, tokens
+    if torch.device(device).type == "cpu":
+        return (CPU_MICRO_BATCH_ROWS if rows is None and tokens is None else rows), tokens
+    return rows, tokens if tokens is not None else default_max_tokens(model_config, device, train=train)
 
 
 # ---------------------------------------------------------------------------------------------------- the loss
