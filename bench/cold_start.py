@@ -1,21 +1,19 @@
 """What a GRPO step costs on Flyte, where every task is a fresh pod: measured at 135M, projected to 1B and 8B.
 
-    python -m bench.cold_start [--steps 2] [--out bench/results/cold_start.md]
+    python -m bench.cold_start [--steps 2] [--rate 1.0] [--steps-per-task 8] [--out bench/results/cold_start.md]
 
-1. The same default config (the real SmolLM2-135M-Instruct, 8 x 8 x 32, float32) runs ``--steps`` steps twice, on a
-   data plane and checkpoint store on a real S3 server on loopback (moto) with a sqlite MLflow store:
+1. The same default config (the real SmolLM2-135M-Instruct, 8 x 8 x 32, float32) runs ``--steps`` steps three
+   times, on a data plane and checkpoint store on a real S3 server on loopback (moto) with a sqlite MLflow store:
    - warm: the local executor, one process (what ``pyflyte run`` does on a laptop);
    - cold: the *serialized* workflow, every task a fresh process running its own ``pyflyte-execute`` command
-     (``tests/flyte_pods.py``, as a pod does), sharing only S3 and MLflow.
+     (``tests/flyte_pods.py``, as a pod does), sharing only S3 and MLflow;
+   - cold with every step in one task (``resources.steps_per_task`` = ``--steps``): one fresh process for the steps.
    Reported per task: ``timing/<task>/startup`` (process start to first useful work: interpreter, imports, input
    download, model and optimizer loads), and each pod's wall time; per step, cold minus warm step time.
 2. Load bandwidth of what those startups move: a safetensors file of the 135M model read and parsed from local
-   disk (page cache warm: the best case of a node that already pulled it) and downloaded from the loopback S3
-   server, and uploaded to it.
-3. Projection to 1B and 8B: per step, fixed (import) overhead plus bytes moved / bandwidth, where the bytes are what
-   the tasks of a step load and save (float32 weights W = 4 B/param, AdamW state 2W): rollout loads W, the
-   reference-logprob task W, train loads W + 2W and saves the 2W a warm run keeps in memory; an off-policy step adds a
-   policy-logprob load W.
+   disk and downloaded from the loopback S3 server, and uploaded to it.
+3. Projection to 1B and 8B (:data:`PLANS`): per step, fixed (import) overhead plus bytes moved / bandwidth, at the
+   local disk's measured rates and at a stated object-store rate (``--rate`` GB/s per pod).
 """
 
 from __future__ import annotations
@@ -29,12 +27,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("rollout", "reference_logprobs", "advantages", "train")
 
 
-def _config(root: str, so: dict, uri: str, steps: int, model: str):
+def _config(root: str, so: dict, uri: str, steps: int, model: str, steps_per_task: int = 1):
     from rl.config import config_from_dict
 
     return config_from_dict({
@@ -42,6 +41,7 @@ def _config(root: str, so: dict, uri: str, steps: int, model: str):
         "grpo": {"max_num_steps": steps, "val_period": 0},
         "dataplane": {"root": root, "storage_options": so},
         "tracking": {"uri": uri, "experiment_name": "cold_start"},
+        "resources": {"steps_per_task": steps_per_task},
     })
 
 
@@ -88,10 +88,68 @@ def _bandwidth(model_dir: str, so: dict) -> dict[str, float]:
     return out
 
 
+MODELS = (("135M", 135e6), ("1B", 1.0e9), ("8B", 8.0e9))
+
+PLANS = {
+    "one task per step, as landed": {"load": 7.0, "save": 3.0, "per_k": False},
+    "one task per step, now": {"load": 3.5, "save": 3.5, "per_k": False},
+    "K steps per task": {"load": 3.0, "save": 3.0, "per_k": True, "every_step_save": 1.0},
+}
+"""Bytes a step moves through storage, in units of W (the float32 weights, 4 B/param; optimizer state 2W; the bf16
+serving copy W/2), per plan:
+
+- as landed: rollout loaded the whole checkpoint, optimizer state included (3W), reference W, train 3W; the train
+  task saved weights and optimizer state (3W).
+- now (one task per step): rollout loads the bf16 copy (W/2: ``checkpoint.local_copy(dtype="bfloat16")``), the
+  reference model comes from the node's model cache (0 after a node's first step), train loads 3W; train saves 3W
+  plus the bf16 copy (W/2).
+- K steps per task (``resources.steps_per_task`` = K): the task loads 3W when it starts and saves 3W when it ends
+  (the next task's trainer state), and between them saves the weights every step (W, as the local executor does);
+  its fixed costs (imports, engine start-up) come once per K steps.
+"""
+
+
+def _projection(fixed: float, bw: dict[str, float], rate: float, k: int) -> list[str]:
+    """The projection table: seconds of storage and fixed start-up per step, per plan and model size, at the
+    measured local-disk rates and at ``rate`` GB/s per pod (an object store)."""
+    tasks = len(TASKS)
+    out = [
+        f"## Projection per step (W = float32 weights, 4 B/param; optimizer state 2W; bf16 copy W/2; K = {k})",
+        "",
+        f"Fixed part: {tasks} tasks x {fixed:.1f} s per step (the advantages task's startup: interpreter, imports, inputs; "
+        f"no model), once per K steps with K steps per task. Storage at {rate:g} GB/s per pod (an object store; stated, not "
+        f"measured) and at this machine's local disk (read+parse {bw['local read+parse GB/s']:.2f}, write "
+        f"{bw['local write GB/s']:.2f} GB/s). Bytes per step, in W: as landed 7W loaded + 3W saved; now 3.5W + 3.5W; "
+        "K steps per task (3W + 3W)/K + W saved each step. Seconds per step:",
+        "",
+        "| model | W (GB) | plan | storage, object store | **per step, object store** | storage, local disk | per step, local disk |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, params in MODELS:
+        w = 4 * params / 1e9
+        for plan, b in PLANS.items():
+            div = k if b["per_k"] else 1
+            load, save = b["load"] * w / div, b["save"] * w / div + b.get("every_step_save", 0.0) * w
+            f = tasks * fixed / div
+            store = (load + save) / rate
+            disk = load / bw["local read+parse GB/s"] + save / bw["local write GB/s"]
+            out.append(f"| {name} | {w:.1f} | {plan} | {store:.1f} | **{f + store:.1f}** | {disk:.1f} | {f + disk:.1f} |")
+    out += [
+        "",
+        f"Measured on the loopback S3 server (moto, one Python process: {bw['S3 download+parse GB/s']:.2f} GB/s down, "
+        f"{bw['S3 upload GB/s']:.2f} GB/s up), the 135M step above. A real cluster adds pod scheduling, image pulls "
+        "(cached per node after the first) and a generation engine's start-up (vLLM ~30 s cold) to every task of the "
+        "one-task-per-step plans, once per K steps to the other.",
+    ]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default="bench/results/cold_start.md")
+    parser.add_argument("--rate", type=float, default=1.0, help="object-store GB/s per pod for the projection (stated, not measured)")
+    parser.add_argument("--steps-per-task", type=int, default=8, help="K of the K-steps-per-task projection")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -107,7 +165,7 @@ def main() -> None:
     from moto.server import ThreadedMotoServer
 
     from rl.config import GRPOConfig
-    from rl.model import resolve_model
+    from rl.model import cache_dir, resolve_model
     from tasks.types import RunSummary
     from tests.flyte_pods import Pods
     from workflows.grpo import grpo
@@ -134,18 +192,25 @@ def main() -> None:
     warm_wall = time.time() - t0
     warm_m = _metrics(uri, warm.mlflow_run_id)
 
-    # cold: every task a fresh process
-    cfg = _config("s3://grpoflow/cold", so, uri, args.steps, model)
+    # cold: every task a fresh process; then every step in one task (resources.steps_per_task = steps)
     tasks = {e.template.id.name: e.template for e in entities if isinstance(e, TaskSpec)}
     (spec,) = [e for e in entities if isinstance(e, WorkflowSpec) and e.template.id.name == "workflows.grpo.grpo"]
     ctx = FlyteContextManager.current_context()
-    inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, GRPOConfig, TypeEngine.to_literal_type(GRPOConfig))}
-    pods = Pods(work / "cluster", execution=f"bench{random.randrange(1 << 30):x}", env={"GRPOFLOW_NUM_THREADS": threads})
-    t0 = time.time()
-    out = pods.run_workflow(spec, tasks, inputs)
-    cold_wall = time.time() - t0
-    cold = TypeEngine.to_python_value(ctx, out["o0"], RunSummary)
-    cold_m = _metrics(uri, cold.mlflow_run_id)
+
+    def cold_run(root: str, steps_per_task: int) -> tuple[dict[str, list[float]], float, Any]:
+        cfg = _config(root, so, uri, args.steps, model, steps_per_task)
+        inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, GRPOConfig, TypeEngine.to_literal_type(GRPOConfig))}
+        # one node: the pods share its model cache (the first to load the published base model downloads it) and the
+        # cache where start_run finds the converted default model
+        node = {"GRPOFLOW_CACHE": str(cache_dir()), "GRPOFLOW_MODEL_CACHE": str(work / f"node-cache-{steps_per_task}")}
+        pods = Pods(work / f"cluster-{steps_per_task}", execution=f"bench{random.randrange(1 << 30):x}", env={"GRPOFLOW_NUM_THREADS": threads, **node})
+        t0 = time.time()
+        out = pods.run_workflow(spec, tasks, inputs)
+        wall = time.time() - t0
+        return _metrics(uri, TypeEngine.to_python_value(ctx, out["o0"], RunSummary).mlflow_run_id), wall, pods
+
+    cold_m, cold_wall, pods = cold_run("s3://grpoflow/cold", 1)
+    whole_m, whole_wall, whole_pods = cold_run("s3://grpoflow/cold-k", args.steps)
     bw = _bandwidth(model, so)
     server.stop()
 
@@ -165,16 +230,19 @@ def main() -> None:
         k = f"timing/{t}/startup"
         lines.append(f"| {t} | {', '.join(f'{v:.1f}' for v in warm_m[k])} | {', '.join(f'{v:.1f}' for v in cold_m[k])} |")
     lines += [f"| start_run | {warm_m['timing/start_run/startup'][0]:.1f} | {cold_m['timing/start_run/startup'][0]:.1f} |", ""]
-    ws, cs = warm_m["timing/train/total_step_time"], cold_m["timing/train/total_step_time"]
+    ws, cs, ks = (m["timing/train/total_step_time"] for m in (warm_m, cold_m, whole_m))
     per_step_startup = [sum(cold_m[f"timing/{t}/startup"][i] for t in TASKS) for i in range(args.steps)]
     lines += [
         "## Step time (rollout start to train end), seconds",
         "",
-        f"- warm: {', '.join(f'{v:.1f}' for v in ws)}; cold: {', '.join(f'{v:.1f}' for v in cs)}",
+        f"- warm: {', '.join(f'{v:.1f}' for v in ws)}; cold, a pod per task: {', '.join(f'{v:.1f}' for v in cs)}; cold, "
+        f"{args.steps} steps in one pod (`resources.steps_per_task: {args.steps}`): {', '.join(f'{v:.1f}' for v in ks)}",
         f"- cold minus warm, median over steps: **{statistics.median(c - w for c, w in zip(cs, ws)):.1f} s**; sum of the "
         f"step's cold startups: {', '.join(f'{v:.1f}' for v in per_step_startup)} s (the tasks of a step run one after "
         "another here; on a cluster the two logprob tasks and advantages run side by side)",
-        f"- whole run wall: warm {warm_wall:.0f} s, cold {cold_wall:.0f} s ({len(pods.pods)} pods)",
+        f"- steps in one pod minus warm, median over steps: **{statistics.median(k - w for k, w in zip(ks, ws)):.1f} s**",
+        f"- whole run wall: warm {warm_wall:.0f} s, cold {cold_wall:.0f} s ({len(pods.pods)} pods), steps in one pod "
+        f"{whole_wall:.0f} s ({len(whole_pods.pods)} pods)",
         "",
         "Pods (wall seconds): " + ", ".join(f"{p.node.split('-', 2)[-1] if p.node.startswith('n1-') else p.task.rsplit('.', 1)[-1]} {p.seconds:.1f}" for p in pods.pods),
         "",
@@ -186,29 +254,7 @@ def main() -> None:
         "",
     ]
     fixed = statistics.median(cold_m["timing/advantages/startup"])  # imports + input download, no model
-    lines += [
-        "## Projection per step (float32 weights W = 4 B/param, AdamW state 2W)",
-        "",
-        f"Fixed part: {len(TASKS)} tasks x {fixed:.1f} s (the advantages task's startup: interpreter, imports, inputs; no "
-        "model). Loads per step: rollout W, reference W, train 3W (weights and optimizer state); extra saves: the optimizer "
-        "state 2W (a warm run saves the weights W every step too). Seconds per step at each measured rate:",
-        "",
-        "| model | W (GB) | fixed | loads + saves, local disk | **per step, local disk** | loads + saves, loopback S3 | **per step, loopback S3** |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, params in (("135M", 135e6), ("1B", 1.0e9), ("8B", 8.0e9)):
-        w = 4 * params / 1e9
-        disk = 5 * w / bw["local read+parse GB/s"] + 2 * w / bw["local write GB/s"]
-        s3 = 5 * w / bw["S3 download+parse GB/s"] + 2 * w / bw["S3 upload GB/s"]
-        f = len(TASKS) * fixed
-        lines.append(f"| {name} | {w:.1f} | {f:.0f} | {disk:.0f} | **{f + disk:.0f}** | {s3:.0f} | **{f + s3:.0f}** |")
-    lines += [
-        "",
-        f"The loopback S3 server is moto, one Python process ({bw['S3 download+parse GB/s']:.2f} GB/s here); a real object "
-        "store moves data at another rate per pod: scale the loads + saves column by the ratio of the two rates. The "
-        "local-disk column is the cost when the weights come from a node-local disk. A real cluster also adds pod "
-        "scheduling and image pulls (cached per node after the first).",
-    ]
+    lines += _projection(fixed, bw, args.rate, args.steps_per_task)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -39,6 +39,10 @@ from dataplane.errors import IntegrityError, retry_transient
 
 COMPLETE = "_COMPLETE"
 TRAINER_STATE = "trainer_state"
+SERVING_DTYPES = ("bfloat16",)
+"""Dtypes a checkpoint can also carry its weights in, each in a subfolder of that name (a whole HF folder: config,
+tokenizer, safetensors): the copy that generation pods load where they compute in that dtype (half the bytes of the
+float32 master; the same values, since they cast the master to it anyway). The trainer reads only the root."""
 MANIFEST_FORMAT = "grpoflow-checkpoint/1"
 HASH = "sha256"
 """The manifest's digest: on this project's machines (x86 with SHA extensions, OpenSSL 3) sha256 hashes ~1.1 GB/s,
@@ -256,11 +260,41 @@ def _remove_checkpoint(fs: Any, path: str, url: str) -> None:
     _rm(fs, path, f"checkpoint {url}: remove its files", recursive=True)
 
 
-def _write_staging(staging: Path, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: TrainerState | None) -> None:
+def _write_serving_copy(staging: Path, dtype: str) -> None:
+    """``staging/{dtype}/``: the staged HF folder (config, tokenizer files) with every floating-point tensor of its
+    ``*.safetensors`` cast to ``dtype`` (round to nearest even, as ``Tensor.to`` casts), read back from the staged
+    files so that any back-end's ``save_pretrained`` output gets the same copy."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    target = staging / dtype
+    target.mkdir()
+    torch_dtype = getattr(torch, dtype)
+    for p in sorted(staging.iterdir()):
+        if not p.is_file():
+            continue
+        if p.suffix == ".safetensors":
+            with safe_open(str(p), framework="pt") as f:
+                metadata = f.metadata()
+                tensors = {k: (t.to(torch_dtype) if t.is_floating_point() else t) for k in f.keys() for t in [f.get_tensor(k)]}
+            save_file(tensors, str(target / p.name), metadata=metadata)
+        elif p.name == "config.json":
+            config = json.loads(p.read_text())
+            config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+            (target / p.name).write_text(json.dumps(config, indent=2, sort_keys=True))
+        else:  # tokenizer files; a sharded model's index (its names stay; its total size is informative)
+            shutil.copyfile(p, target / p.name)
+
+
+def _write_staging(
+    staging: Path, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: TrainerState | None, serving_dtype: str | None = None
+) -> None:
     from safetensors.torch import save_file
 
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    if serving_dtype is not None:
+        _write_serving_copy(staging, serving_dtype)
     if optimizer is not None and state is not None:
         ts = staging / TRAINER_STATE
         ts.mkdir()
@@ -314,9 +348,10 @@ def save(
     scheduler: Any = None,
     state: TrainerState | None = None,
     storage_options: dict[str, Any] | None = None,
+    serving_dtype: str | None = None,
 ) -> str:
-    """Write an HF folder at ``url`` (and the trainer state when ``optimizer`` and ``state`` are given), then its
-    ``_COMPLETE`` manifest.
+    """Write an HF folder at ``url`` (and the trainer state when ``optimizer`` and ``state`` are given, and a copy of
+    the weights in ``serving_dtype`` when given), then its ``_COMPLETE`` manifest.
 
     The files are staged in a local folder and hashed there. Whatever was at ``url`` before (a complete
     checkpoint, or an earlier attempt that died half-way) is replaced: afterwards ``url`` holds exactly the files
@@ -333,14 +368,20 @@ def save(
         scheduler: its ``state_dict()`` is saved with the trainer state, if given.
         state: the :class:`TrainerState` to save.
         storage_options: fsspec options of ``url``'s filesystem.
+        serving_dtype: one of :data:`SERVING_DTYPES`: also write the weights in that dtype under ``{serving_dtype}/``
+            (what generation pods load: ``local_copy(..., dtype=serving_dtype)``); None writes none.
 
     Returns:
         ``url``.
 
     Raises:
+        ValueError: ``serving_dtype`` is not one of :data:`SERVING_DTYPES`.
         OSError and storage errors: a permanent failure, or a transient one that outlasted the retry deadline; the
         folder is then left without a marker (absent to readers) and a later save replaces it.
     """
+    if serving_dtype is not None and serving_dtype not in SERVING_DTYPES:
+        msg = f"serving_dtype={serving_dtype!r}: a checkpoint carries copies in {', '.join(SERVING_DTYPES)} only (None: no copy)"
+        raise ValueError(msg)
     fs, path, local = _fs(url, storage_options)
     if local:
         target = Path(path)
@@ -350,7 +391,7 @@ def save(
     else:
         staging = Path(tempfile.mkdtemp(prefix="grpoflow-save-"))
     try:
-        _write_staging(staging, model, tokenizer, optimizer, scheduler, state)
+        _write_staging(staging, model, tokenizer, optimizer, scheduler, state, serving_dtype)
         manifest = _manifest(staging)
         if local:
             _swap_in(staging, Path(path), manifest)
@@ -438,15 +479,35 @@ def verify(url: str, storage_options: dict[str, Any] | None = None) -> dict[str,
     return manifest
 
 
-def local_copy(
-    url: str, storage_options: dict[str, Any] | None = None, *, require_complete: bool = False, verify: bool = True
-) -> str:
-    """A local folder holding the checkpoint (the folder itself when it is already local, else a new temporary
-    folder with a copy).
+def _part(manifest: dict[str, Any], weights_only: bool, dtype: str | None) -> tuple[str, dict[str, Any]]:
+    """``(subfolder, its manifest)``: the files of a checkpoint a loader needs, relative to the folder it loads.
 
-    A folder with a ``_COMPLETE`` marker is copied file by file as its manifest lists them (the marker too) and,
-    with ``verify``, checked against it. A folder without one (a base model folder) is copied as it is, unless
-    ``require_complete``.
+    The root's files, without the serving copies, and without the trainer state when ``weights_only``; or, when
+    ``dtype`` names a serving copy the checkpoint has, that subfolder's files (trainer state never included)."""
+    files = manifest["files"]
+    if dtype is not None and any(rel.startswith(f"{dtype}/") for rel in files):
+        sub = {rel[len(dtype) + 1 :]: entry for rel, entry in files.items() if rel.startswith(f"{dtype}/")}
+        return dtype, {**manifest, "files": sub}
+    skip = {f"{d}/" for d in SERVING_DTYPES} | ({f"{TRAINER_STATE}/"} if weights_only or dtype is not None else set())
+    kept = {rel: entry for rel, entry in files.items() if not any(rel.startswith(s) for s in skip)}
+    return "", {**manifest, "files": kept}
+
+
+def local_copy(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    require_complete: bool = False,
+    verify: bool = True,
+    weights_only: bool = False,
+    dtype: str | None = None,
+) -> str:
+    """A local folder holding the checkpoint, or the part of it a loader needs (the folder itself, or its serving
+    subfolder, when it is already local; else a new temporary folder with a copy).
+
+    A folder with a ``_COMPLETE`` marker is copied file by file as its manifest lists them and, with ``verify``,
+    checked against it; the copy's own marker lists what was copied. A folder without one (a base model folder) is
+    copied as it is, unless ``require_complete``.
 
     Args:
         url: the checkpoint or model folder.
@@ -454,6 +515,10 @@ def local_copy(
         require_complete: refuse a folder without a marker. Loaders pass ``version.step > 0``: every policy after
             step 0 comes from a checkpoint; step 0 is the base model folder, which has no marker.
         verify: check sizes and SHA-256 digests of a folder with a marker (~0.5-0.7 s per 540 MB; see :func:`verify`).
+        weights_only: leave the trainer state (optimizer moments: twice the float32 weights' bytes) behind: what
+            every loader but the trainer asks for.
+        dtype: a loader that computes in this dtype (``"bfloat16"``) takes the checkpoint's copy in it where the
+            checkpoint has one (see :func:`save`'s ``serving_dtype``), else the float32 root without trainer state.
 
     Returns:
         the local folder's path.
@@ -476,19 +541,23 @@ def local_copy(
         if not rels:
             msg = f"{url}: no files there"
             raise FileNotFoundError(msg)
-    elif local:
-        if verify:
-            _verify_folder(Path(path), manifest, f"checkpoint {url}")
-        return path
+        sub = ""
     else:
+        sub, manifest = _part(manifest, weights_only, dtype)
+        if local:
+            folder = Path(path, sub) if sub else Path(path)
+            if verify:
+                _verify_folder(folder, manifest, f"checkpoint {url}")
+            return str(folder)
         rels = list(manifest["files"])
+    source = f"{path}/{sub}" if sub else path
     target = Path(tempfile.mkdtemp(prefix="grpoflow-ckpt-"))
     try:
         for rel in rels:
             dest = target / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:
-                retry_transient(lambda r=rel, d=dest: fs.get_file(f"{path}/{r}", str(d)), what=f"{url}: download {rel}")
+                retry_transient(lambda r=rel, d=dest: fs.get_file(f"{source}/{r}", str(d)), what=f"{url}: download {sub}/{rel}" if sub else f"{url}: download {rel}")
             except FileNotFoundError:
                 if manifest is None:
                     raise
@@ -505,11 +574,17 @@ def local_copy(
 
 @contextlib.contextmanager
 def local_folder(
-    url: str, storage_options: dict[str, Any] | None = None, *, require_complete: bool = False, verify: bool = True
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    require_complete: bool = False,
+    verify: bool = True,
+    weights_only: bool = False,
+    dtype: str | None = None,
 ) -> Iterator[str]:
     """:func:`local_copy` for the length of a ``with`` block: the temporary copy of a remote checkpoint is removed at
     its end (a local folder is used where it is and left alone). Same arguments and errors as :func:`local_copy`."""
-    folder = local_copy(url, storage_options, require_complete=require_complete, verify=verify)
+    folder = local_copy(url, storage_options, require_complete=require_complete, verify=verify, weights_only=weights_only, dtype=dtype)
     copied = not _fs(url, storage_options)[2]
     try:
         yield folder

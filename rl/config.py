@@ -179,9 +179,20 @@ class VLLMConfig(Section):
     """Longest prompt + completion in tokens that the engine accepts (capped at the model's own limit)."""
     enforce_eager: bool = False
     """Run without CUDA graphs (faster start, slower decode). The CPU build always runs eagerly."""
+    max_num_seqs: int | None = None
+    """Most sequences vLLM schedules at once (its ``max_num_seqs``). Null: ``generation.batch_size`` where set, else 64
+    on the CPU and vLLM's own default on a GPU (``rl/backends/vllm/settings.py``)."""
+    seed_per_request: bool | None = None
+    """Give every request its own seed, so that the same weights, prompts and seed give the same completions in any
+    process (a resumed or cold task repeats a warm one's rollouts). Null: as ``optim.deterministic`` resolves on the
+    device (on on the CPU, off on CUDA). Costs little on the CPU build (``bench/vllm_seeds.py``); on CUDA seeded
+    requests keep vLLM off its fused top-p sampler. The CPU build submits seeded requests in KV-cache waves with
+    chunked prefill off (a seeded request cannot be preempted there)."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            _fail("generation.vllm_cfg.max_num_seqs", f"is {self.max_num_seqs}", "use at least 1, or null for the device's default")
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail("generation.vllm_cfg.gpu_memory_utilization", f"is {self.gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.6")
         if self.cpu_kv_cache_gib <= 0:
@@ -228,6 +239,14 @@ class GenerationConfig(Section):
             _fail("generation.batch_size", f"is {self.batch_size}", "use at least 1, or null to size it for the device")
         if self.backend == "vllm" and self.max_new_tokens >= self.vllm_cfg.max_model_len:
             _fail("generation.max_new_tokens", f"{self.max_new_tokens} leaves no room for the prompt in vllm_cfg.max_model_len={self.vllm_cfg.max_model_len}", "raise vllm_cfg.max_model_len")
+        if self.backend == "vllm" and self.top_p < 1 and self.temperature != 1:
+            _fail(
+                "generation.top_p",
+                f"is {self.top_p} with temperature {self.temperature} on the vllm back-end, whose logprobs would then be "
+                "renormalized over the top-p nucleus while the trainer's and the transformers back-end's are not "
+                "(generation_logprobs and the importance weights would mean something else)",
+                "set temperature 1 (vLLM's raw logprobs are then the untruncated ones) or top_p 1, or use backend transformers",
+            )
 
 
 @dataclass
@@ -535,6 +554,19 @@ class ResourcesConfig(Section):
     """Model tasks: ``policy_logprobs``, ``reference_logprobs``, ``train``."""
     cpu: CPUResources = field(default_factory=CPUResources)
     """Bookkeeping tasks: ``advantages``, ``finish_run``, the step loop."""
+    steps_per_task: int = 1
+    """Consecutive GRPO steps one task runs, with its back-ends warm between them (the local executor's path): 1 is
+    a node per task (rollout, logprobs, advantages, train) per step; K > 1 is one node per K steps, on the train
+    class's resources, that loads the policy and optimizer state once and saves them once (each step still saves its
+    weights and the checkpoints due), so a pod's start-up, engine start-up and storage round trips come once per K
+    steps (``bench/cold_start.py``). Needs synchronous GRPO (``grpo.max_trajectory_age_steps`` 0), one training
+    process (``policy.nnodes`` x ``nproc_per_node`` = 1), and back-ends that share an image (not megatron with
+    vLLM). A local run gives the same results either way."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if type(self.steps_per_task) is not int or self.steps_per_task < 1:
+            _fail("resources.steps_per_task", f"is {self.steps_per_task!r}", "use 1 (a node per task) or the number of steps one task runs")
 
 
 @dataclass
@@ -575,6 +607,13 @@ class GRPOConfig(Section):
                 f"is false with grpo.max_trajectory_age_steps {self.grpo.max_trajectory_age_steps}",
                 "set it to true: trajectories of older weights need the off-policy correction (or set max_trajectory_age_steps 0)",
             )
+        k = self.resources.steps_per_task
+        if k > 1 and self.grpo.max_trajectory_age_steps > 0:
+            _fail("resources.steps_per_task", f"is {k} with grpo.max_trajectory_age_steps {self.grpo.max_trajectory_age_steps}", "use steps_per_task 1 for async GRPO (its rollouts run beside training on their own nodes)")
+        if k > 1 and self.policy.nnodes * self.policy.nproc_per_node > 1:
+            _fail("resources.steps_per_task", f"is {k} with {self.policy.nnodes * self.policy.nproc_per_node} training processes", "use steps_per_task 1 with data- or model-parallel ranks (their train task is a multi-process job)")
+        if k > 1 and self.policy.backend == "megatron" and self.generation.backend == "vllm":
+            _fail("resources.steps_per_task", f"is {k} with policy.backend megatron and generation.backend vllm", "no image holds both (vLLM pins its own torch): use steps_per_task 1, or generation.backend transformers")
         n = self.samples_per_step
         gbs = self.optim.train_global_batch_size
         if gbs is not None and n % gbs:

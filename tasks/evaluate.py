@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from flytekit import task
+from flytekit import current_context, task
 
 from rl.config import GRPOConfig
 from tasks.placement import declared
@@ -17,18 +17,20 @@ def find_checkpoint(cfg: GRPOConfig, run_id: str = "", checkpoint: str = "") -> 
     """The checkpoint to evaluate, as a run handle whose ``start_step``/``start_policy_path`` name it.
 
     Args:
-        cfg: the config (``dataplane.root``, ``model.name``, ``tracking.uri``).
+        cfg: the config (``dataplane.root``, ``model.name``, ``tracking.uri``); a remote execution publishes the
+            model to ``dataplane.root`` (:func:`tasks.setup.run_model`) for the evaluate task's pod.
         run_id: evaluate this run's newest complete checkpoint ...
         checkpoint: ... or this checkpoint URL (a ``checkpoints/step_N`` folder); with neither, the newest complete
             checkpoint of any run under ``dataplane.root`` (by the time its ``_COMPLETE`` marker was written).
 
     Raises:
         ValueError: both given, or no complete checkpoint with trainer state found where asked.
+        OSError and storage errors: publishing the model failed.
     """
     from dataplane import paths
     from dataplane.urls import redact
     from rl import checkpoint as ckpt
-    from rl.model import resolve_model
+    from tasks.setup import run_model
 
     root, so = cfg.dataplane.root, cfg.dataplane.storage_options
     if run_id and checkpoint:
@@ -43,7 +45,7 @@ def find_checkpoint(cfg: GRPOConfig, run_id: str = "", checkpoint: str = "") -> 
     parent = checkpoint.rstrip("/").rsplit("/", 3)  # {root}/{run_id}/checkpoints/step_N
     owner = run_id or parent[-3]
     paths.check_name("run id", owner)
-    model_path = resolve_model(cfg.model.name)
+    model_path = run_model(cfg, local=current_context().execution_id.name == "local")  # evaluate runs in a pod of its own
     print(f"[grpoflow] evaluating {redact(checkpoint)} (run {owner}, step {state['step']})", flush=True)
     return RunInfo(run_id=owner, mlflow_run_id=state["mlflow_run_id"], model_path=model_path, start_step=int(state["step"]), start_policy_path=checkpoint)
 

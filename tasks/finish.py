@@ -49,7 +49,7 @@ def hf_folder(cfg: GRPOConfig, policy: PolicyVersion) -> Iterator[Path]:
     """
     from rl.checkpoint import local_copy
 
-    folder = Path(local_copy(policy.path, cfg.dataplane.storage_options, require_complete=policy.step > 0)).resolve()
+    folder = Path(local_copy(policy.path, cfg.dataplane.storage_options, require_complete=policy.step > 0, weights_only=True)).resolve()
     copied = folder != Path(policy.path.removeprefix("file://")).resolve()  # a remote checkpoint: a temporary copy
     try:
         with tempfile.TemporaryDirectory(prefix="grpoflow-model-") as tmp:

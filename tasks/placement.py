@@ -27,6 +27,7 @@ ROLE: dict[str, str] = {
     "policy_logprobs": "train",
     "reference_logprobs": "train",
     "train": "train",
+    "grpo_steps": "train",
     "start_run": "cpu",
     "advantages": "cpu",
     "finish_run": "cpu",
@@ -104,12 +105,22 @@ def image_reference(name: str, role: str) -> str | None:
     return found.full
 
 
-def overrides(cfg: GRPOConfig, role: str) -> dict[str, Any]:
-    """``Node.with_overrides`` keyword arguments that place a node of class ``role`` as ``cfg.resources`` says."""
+def steps_image(cfg: GRPOConfig) -> str:
+    """The image of a node that runs whole steps (``resources.steps_per_task`` > 1, on the train class's resources):
+    the train class's, except that its default (the train image, which has no vLLM) becomes the rollout image with
+    ``generation.backend: vllm`` (that image also holds the transformers trainer; megatron with vLLM is refused at
+    config time)."""
+    image = cfg.resources.train.image
+    return "rollout-gpu" if image == "default" and cfg.generation.backend == "vllm" else image
+
+
+def overrides(cfg: GRPOConfig, role: str, *, image_name: str | None = None) -> dict[str, Any]:
+    """``Node.with_overrides`` keyword arguments that place a node of class ``role`` as ``cfg.resources`` says (on
+    ``image_name`` instead of the class's image, when given)."""
     res: TaskResources = getattr(cfg.resources, role)
     r = _resources(res)
     out: dict[str, Any] = {"requests": r, "limits": r, **_extended(res)}
-    image = image_reference(res.image, role)
+    image = image_reference(image_name or res.image, role)
     if image is not None:
         out["container_image"] = image
     return out
@@ -128,7 +139,8 @@ def placed(cfg: GRPOConfig, task: Any, *, node_name: str | None = None) -> Calla
         first = out[0] if isinstance(out, tuple) else out
         if not isinstance(first, Promise) or FlyteContextManager.current_context().compilation_state is None:
             return out
-        first.with_overrides(node_name=node_name, **overrides(cfg, role))
+        whole_steps = task.name.rsplit(".", 1)[-1] == "grpo_steps"
+        first.with_overrides(node_name=node_name, **overrides(cfg, role, image_name=steps_image(cfg) if whole_steps else None))
         if isinstance(getattr(task, "task_config", None), DataParallel):
             # several nodes make the node a Kubeflow PyTorchJob of that many replicas (one node's ranks are read from the
             # config when the task runs, tasks.data_parallel). flytekit applies this override to the task object

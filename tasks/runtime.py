@@ -1,6 +1,7 @@
-"""Process-local state of a run's tasks: the data-plane client, the tokenizer, and the back-ends cached per
-(run, role), so a local run loads each model once and refits generation from the live trainer in place. On a
-cluster every task starts cold and loads what it needs from storage.
+"""Process-local state of a run's tasks: the data-plane client, the base model's local folder, the tokenizer, and
+the back-ends cached per (run, role), so a local run loads each model once and refits generation from the live
+trainer in place. On a cluster every task starts cold and loads what it needs from storage: the base model through
+the node's model cache (:func:`base_model`), checkpoints from the run's storage.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
 
 _BACKENDS: dict[tuple[str, str], Any] = {}
 """(run_id, role) -> back-end object; roles ``generation`` and ``policy``."""
+
+_BASE_MODELS: dict[str, str] = {}
+"""``RunInfo.model_path`` -> the local folder (or hub id) this process loads it from (:func:`base_model`)."""
 
 _COLLECTORS: dict[str, TrajectoryCollector] = {}
 """run_id -> the run's background trajectory collector in this process (async GRPO in a local run)."""
@@ -69,8 +74,43 @@ def dataplane(cfg: GRPOConfig, run: RunInfo):
     return DataPlane(cfg.dataplane.root, run.run_id, storage_options=cfg.dataplane.storage_options)
 
 
+def base_model(cfg: GRPOConfig, run: RunInfo) -> str:
+    """The run's base model (``run.model_path``, also the reference policy) as a local folder this process loads.
+
+    A model published on the run's storage (``{root}/models/{digest}``, :func:`rl.model_store.publish`: what a
+    remote execution's ``start_run`` hands on) is downloaded once per node into the node's model cache
+    (``$GRPOFLOW_MODEL_CACHE``, :func:`rl.model_store.cache_root`) and checked against its manifest; a local folder
+    or hub id (a local run, or a handle from before models were published) is used as it is. Resolved once per
+    process.
+
+    Raises:
+        ValueError, dataplane.errors.IntegrityError, storage errors: as :func:`rl.model_store.materialize` (a
+            remote ``model_path`` that is not a complete published model, or a download that fails its manifest).
+    """
+    found = _BASE_MODELS.get(run.model_path)
+    if found is None:
+        from rl.model_store import materialize
+
+        found = _BASE_MODELS[run.model_path] = materialize(run.model_path, cfg.dataplane.storage_options)
+    return found
+
+
+def base_tokenizer(cfg: GRPOConfig, run: RunInfo) -> Any:
+    """The tokenizer of the run's base model (:func:`base_model`, :func:`tokenizer`)."""
+    return tokenizer(base_model(cfg, run))
+
+
+def _local_base(cfg: GRPOConfig, run: RunInfo, version: PolicyVersion) -> PolicyVersion:
+    """``version`` with the base model's node-cache folder as its path when it names the base model (step 0 of a
+    new run), so that back-ends load it from the node cache instead of copying it from storage again."""
+    if version.path == run.model_path:
+        return replace(version, path=base_model(cfg, run))
+    return version
+
+
 @lru_cache(maxsize=4)
 def tokenizer(path: str) -> Any:
+    """The tokenizer of the local model folder (or hub id) ``path``, loaded once per process."""
     from rl.model import load_tokenizer
 
     return load_tokenizer(path)
@@ -86,7 +126,7 @@ def generation(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Generati
     if gen.weight_version != policy.step:
         live = _BACKENDS.get((run.run_id, "policy"))
         warm = live is not None and live.weight_version == policy.step
-        gen.refit(policy, weights=live.named_weights() if warm else None)
+        gen.refit(_local_base(cfg, run, policy), weights=live.named_weights() if warm else None)
     return gen
 
 
@@ -96,8 +136,18 @@ def _generation_backend(cfg: GRPOConfig, run: RunInfo) -> GenerationBackend:
     gen = _BACKENDS.get((run.run_id, "generation"))
     if gen is None:
         cls = registry.load("generation", cfg.generation.backend)
-        gen = _BACKENDS[(run.run_id, "generation")] = cls(cfg, tokenizer=tokenizer(run.model_path), model_path=run.model_path)
+        base = base_model(cfg, run)
+        # vLLM sleeps between rollouts where a trainer in this process computes on the same GPU (settings.py)
+        extra = {"shares_gpu": shares_trainer_gpu(cfg, run)} if cfg.generation.backend == "vllm" else {}
+        gen = _BACKENDS[(run.run_id, "generation")] = cls(cfg, tokenizer=tokenizer(base), model_path=base, **extra)
     return gen
+
+
+def shares_trainer_gpu(cfg: GRPOConfig, run: RunInfo) -> bool:
+    """Whether this process's generation engine shares its device with a trainer in the same process: a local run
+    (one process for every task), or steps run together in one task (``resources.steps_per_task`` > 1); not a
+    cluster's rollout pod, which holds its GPU alone."""
+    return not run.cold_tasks or cfg.resources.steps_per_task > 1
 
 
 def collector(cfg: GRPOConfig, run: RunInfo) -> TrajectoryCollector | None:
@@ -167,9 +217,10 @@ def policy(cfg: GRPOConfig, run: RunInfo, version: PolicyVersion | None = None, 
     pol = _BACKENDS.get((run.run_id, "policy"))
     if pol is None:
         cls = registry.load("policy", cfg.policy.backend)
-        pol = _BACKENDS[(run.run_id, "policy")] = cls(cfg, tokenizer=tokenizer(run.model_path), reference_path=run.model_path)
+        base = base_model(cfg, run)  # the reference policy too: from the node cache
+        pol = _BACKENDS[(run.run_id, "policy")] = cls(cfg, tokenizer=tokenizer(base), reference_path=base)
     if version is not None and (pol.weight_version != version.step or (training and not pol.has_optimizer_state(version))):
-        pol.load_checkpoint(version, with_optimizer=training)
+        pol.load_checkpoint(_local_base(cfg, run, version), with_optimizer=training)
     return pol
 
 

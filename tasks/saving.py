@@ -16,6 +16,18 @@ def saves_trainer_state(cfg: GRPOConfig, run: RunInfo, step: int) -> bool:
     return checkpoint_due(cfg, step) or run.cold_tasks
 
 
+def serving_dtype(cfg: GRPOConfig, run: RunInfo) -> str | None:
+    """The dtype of the weights copy a save adds for the next step's generation pod (``rl.checkpoint.save``'s
+    ``serving_dtype``): ``bfloat16`` where tasks run cold (each its own pod, loading from storage) and rollouts run on
+    GPUs (``resources.rollout.gpu`` >= 1) at a precision that resolves to bfloat16 there (``auto`` or ``bfloat16``);
+    else None. Such a pod then downloads half the float32 master's bytes and none of the optimizer state (which only
+    the next train pod reads). A GPU without bfloat16 resolves ``auto`` to float32 and reads the float32 root instead.
+    """
+    if not run.cold_tasks or cfg.resources.rollout.gpu < 1:
+        return None
+    return "bfloat16" if cfg.model.precision in ("auto", "bfloat16") else None
+
+
 def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, started_from: PolicyVersion) -> PolicyVersion:
     """Save the weights of ``backend.weight_version``: with trainer state under ``checkpoints/`` when due (keeping the
     newest ``keep_last_k``), otherwise under ``weights/`` (keeping the newest one), with the trainer state too when
@@ -35,12 +47,12 @@ def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, starte
     keep = {started_from.path, *(policy_url(cfg, run, v) for v in range(max(step - cfg.grpo.max_trajectory_age_steps, 0), step + 1))}
     if checkpoint_due(cfg, step):
         url = paths.checkpoint_dir(root, run.run_id, step)
-        backend.save_checkpoint(url, trainer_state=state)
+        backend.save_checkpoint(url, trainer_state=state, serving_dtype=serving_dtype(cfg, run))
         checkpoint.prune(paths.checkpoints_dir(root, run.run_id), cfg.checkpointing.keep_last_k, so, keep=keep)
         checkpoint.prune(paths.weights_dir(root, run.run_id), 0, so, keep=keep)
     else:  # weights only; in a cold process also the trainer state: how it reaches the next step's train task
         url = paths.weights_step_dir(root, run.run_id, step)
-        backend.save_checkpoint(url, trainer_state=state if run.cold_tasks else None)
+        backend.save_checkpoint(url, trainer_state=state if run.cold_tasks else None, serving_dtype=serving_dtype(cfg, run))
         checkpoint.prune(paths.weights_dir(root, run.run_id), 1, so, keep=keep)
     return PolicyVersion(step=step, path=url)
 

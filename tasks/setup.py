@@ -16,11 +16,12 @@ from tasks.types import RunInfo
 @task(retries=2, **declared("cpu"))
 @transient_errors_retried
 def start_run(cfg: GRPOConfig) -> RunInfo:
-    """Resolve (and convert once) the model, validate the dataset, create the MLflow run with the
-    flattened config as params, and return the run's handle."""
+    """Resolve (and convert once) the model, validate the dataset, publish the model to the run's storage (a
+    remote execution: :func:`run_model`), create the MLflow run with the flattened config as params, and return the
+    run's handle."""
+    from dataplane.urls import redact
     from rl.backends.registry import check_installed
     from rl.data import train_problems, val_problems
-    from rl.model import resolve_model
     from tasks import runtime, tracking
 
     since = runtime.begin_task()
@@ -32,13 +33,13 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
         # import theirs in their own images)
         check_installed("generation", cfg.generation.backend)
         check_installed("policy", cfg.policy.backend)
-    model_path = resolve_model(cfg.model.name)
+    resolved, folder = _resolve(cfg)
     if cfg.policy.backend == "megatron":  # the model's shapes against the parallel sizes, before any GPU task starts
         from transformers import AutoConfig
 
         from rl.backends.megatron.model import check_model
 
-        check_model(AutoConfig.from_pretrained(model_path), cfg.policy.megatron_cfg)
+        check_model(AutoConfig.from_pretrained(folder), cfg.policy.megatron_cfg)
         if not local and cfg.resources.train.gpu < 1:
             msg = "config resources.train.gpu: is 0 but policy.backend 'megatron' runs only on CUDA GPUs; set it to policy.nproc_per_node"
             raise ValueError(msg)
@@ -46,6 +47,7 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=1)
     if cfg.grpo.val_period or cfg.grpo.val_at_start:
         val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
+    model_path = _shared(cfg, resolved, folder, local=local)
     if cfg.checkpointing.resume_run_id:
         return _resume(cfg, cfg.checkpointing.resume_run_id, model_path, cold_tasks=cold)
     # a retried start_run of a remote execution finds the MLflow run and run id of its first attempt
@@ -58,16 +60,63 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
         "grpoflow.version": _version(),
     }
     params = cfg.flat_params()
-    params["model.resolved_path"] = model_path
+    params["model.resolved_path"] = redact(model_path)
     mlflow_run_id = tracking.start_run(
         uri=cfg.tracking.uri, experiment_name=cfg.tracking.experiment_name, run_name=cfg.tracking.run_name or (None if local else execution.name),
         params=params, tags=tags, reuse_tag=None if local else "flyte.execution_id",
     )
     tracking.log_metrics(cfg.tracking.uri, mlflow_run_id, runtime.startup_metric("start_run", since), 0)
-    print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {model_path}", flush=True)
+    print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {redact(model_path)}", flush=True)
     return RunInfo(
         run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path, cold_tasks=cold
     )
+
+
+def run_model(cfg: GRPOConfig, *, local: bool) -> str:
+    """``model.name`` as every task of the run can load it: what :attr:`RunInfo.model_path` carries.
+
+    A local execution (every task on this machine) gets the local folder or hub id ``model.name`` resolves to
+    (:func:`rl.model.resolve_model`, which converts the default model once into this machine's cache): nothing is
+    hashed or copied. A remote execution's tasks run in pods of their own, where this pod's disk is gone, so a local
+    folder is published to the run's storage once (:func:`rl.model_store.publish`, content-addressed: a second run
+    of the same model uploads nothing) and its URL is returned; pods load it through their node's model cache
+    (:func:`tasks.runtime.base_model`). A published model's URL or a hub id (each pod downloads it from the hub
+    itself) is returned unchanged.
+
+    Args:
+        cfg: the config (``model.name``, ``dataplane.root``, ``dataplane.storage_options``).
+        local: the execution is local (the local executor).
+
+    Raises:
+        FileNotFoundError: the default model was asked for but its wheel is not installed.
+        ValueError, dataplane.errors.IntegrityError: ``model.name`` is a remote URL that is not a complete published
+            model (:func:`rl.model_store.materialize`).
+        OSError and storage errors: the publish failed (permanently, or transiently past the retry deadline).
+    """
+    resolved, folder = _resolve(cfg)
+    return _shared(cfg, resolved, folder, local=local)
+
+
+def _resolve(cfg: GRPOConfig) -> tuple[str, str]:
+    """``(model.name resolved, a local folder or hub id holding it)``: a published model's URL is downloaded into
+    this node's model cache."""
+    from rl.model import resolve_model
+    from rl.model_store import materialize
+
+    resolved = resolve_model(cfg.model.name)
+    return resolved, materialize(resolved, cfg.dataplane.storage_options)
+
+
+def _shared(cfg: GRPOConfig, resolved: str, folder: str, *, local: bool) -> str:
+    import os
+
+    from rl.model_store import is_remote, publish
+
+    if local or is_remote(resolved) or not os.path.isdir(folder):
+        if not local and not is_remote(resolved):
+            print(f"[grpoflow] model {resolved!r} is not a local folder: every pod loads it from the Hugging Face hub itself", flush=True)
+        return resolved
+    return publish(folder, cfg.dataplane.root, cfg.dataplane.storage_options)
 
 
 def _resume(cfg: GRPOConfig, run_id: str, model_path: str, *, cold_tasks: bool = False) -> RunInfo:
@@ -80,7 +129,7 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str, *, cold_tasks: bool =
     Args:
         cfg: the run's config (``dataplane.root``, ``dataplane.storage_options``, ``tracking.uri``).
         run_id: the run to resume.
-        model_path: the resolved base model folder.
+        model_path: the base model as the run's tasks load it (:func:`run_model`).
         cold_tasks: every task runs in a fresh process (:attr:`RunInfo.cold_tasks`).
 
     Returns:

@@ -36,7 +36,7 @@ def generate_batch(cfg: GRPOConfig, run: RunInfo, generator: GenerationBackend, 
     g = cfg.grpo.num_generations_per_prompt
     version = generator.weight_version
     assert version is not None
-    groups, sample_mask, metrics = sample_step(generator, runtime.tokenizer(run.model_path), cfg, step=step)
+    groups, sample_mask, metrics = sample_step(generator, runtime.base_tokenizer(cfg, run), cfg, step=step)
     columns = to_columns(groups, sample_mask, group_size=g, weight_version=version)
     dp = runtime.dataplane(cfg, run)
     partition = paths.step_partition(step)

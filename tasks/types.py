@@ -16,11 +16,15 @@ class RunInfo:
     run_id: str
     mlflow_run_id: str
     model_path: str
-    """Resolved base model (also the reference policy)."""
+    """The base model (also the reference policy), as every task of the run can reach it: for a remote execution
+    the URL of the model published on the run's storage (``{dataplane.root}/models/{sha256 digest}``,
+    :func:`rl.model_store.publish`), which each pod loads through its node's model cache
+    (:func:`tasks.runtime.base_model`); for a local run the local folder (or hub id) ``model.name`` resolved to.
+    Tasks never load it directly: they ask :func:`tasks.runtime.base_model` for a local folder."""
     start_step: int = 0
     """Last completed step (0 for a new run; the checkpoint's step when resuming)."""
     start_policy_path: str = ""
-    """Weights of ``start_step`` (the base model for a new run)."""
+    """Weights of ``start_step``: ``model_path`` for a new run, the checkpoint's URL when resuming."""
     cold_tasks: bool = False
     """Every task runs in a fresh process (a remote execution: one pod per task), so nothing but storage carries
     the trainer from one step's train task to the next: each step's weights are saved with their optimizer state."""

@@ -50,7 +50,7 @@ def greedy_accuracy(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, *, sin
         generator = runtime.generation(cfg, run, policy)
         ready = runtime.startup_metric(task, since)
         t0 = time.perf_counter()
-        groups = generate_groups(generator, runtime.tokenizer(run.model_path), problems, cfg, group_size=1, greedy=True, seed=cfg.grpo.seed)
+        groups = generate_groups(generator, runtime.base_tokenizer(cfg, run), problems, cfg, group_size=1, greedy=True, seed=cfg.grpo.seed)
         gen_s = time.perf_counter() - t0
     columns = to_columns(groups, torch.ones(len(problems), dtype=torch.bool), group_size=1, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)

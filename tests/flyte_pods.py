@@ -3,7 +3,9 @@ every task node as a fresh process running the task's own container command (``p
 serialized ``TaskTemplate``) with its inputs as a protobuf ``LiteralMap`` file, and reads back ``outputs.pb``,
 ``futures.pb`` (a ``@dynamic``'s nodes, executed in turn) or ``error.pb`` (retried when recoverable, up to the
 node's retries). The processes share nothing but what the test gives them all (the data plane, the checkpoint store,
-MLflow): each has its own HOME and TMPDIR.
+MLflow): each has its own HOME, TMPDIR and caches (``GRPOFLOW_CACHE``, ``GRPOFLOW_MODEL_CACHE``, ``HF_HOME``, all
+under its HOME), no Hugging Face hub (``HF_HUB_OFFLINE``), and, as a pod's disk goes with the pod, its HOME and
+TMPDIR are deleted when it exits: a path on one pod's disk means nothing to the next pod.
 
 What it leaves out of a real cluster: images (the processes run in this virtualenv), scheduling and resources
 (recorded per node in ``Pods.placements``, not enforced), branches, map tasks, launch-plan nodes, caching.
@@ -16,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,11 @@ class Pods:
     domain: str = "development"
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 900.0
+    prepare_home: Callable[[str, Path], None] | None = None
+    """Called with each pod's task name and its (empty) HOME before the pod starts: puts there what that pod's own
+    disk holds when it starts (for example a model that task would have made there itself)."""
+    ephemeral: bool = True
+    """Delete each pod's HOME and TMPDIR when it exits (its log, inputs and outputs stay)."""
     pods: list[Pod] = field(default_factory=list)
     placements: dict[str, Any] = field(default_factory=dict)
 
@@ -124,11 +132,16 @@ class Pods:
             for d in (out_dir, home, tmp, pod_dir / "raw"):
                 d.mkdir(parents=True)
             (pod_dir / "inputs.pb").write_bytes(LiteralMap(literals=inputs).to_flyte_idl().SerializeToString())
+            if self.prepare_home is not None:
+                self.prepare_home(template.id.name, home)
             args = [self._substitute(a, pod_dir) for a in template.container.args]
             args[0] = str(Path(sys.executable).parent / args[0])  # pyflyte-execute of this virtualenv
             env = {
                 **{k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "FLYTE_INTERNAL"))},
                 **{k: v for k, v in (template.container.env or {}).items()},
+                # the pod's own caches, whatever this machine's environment says: nothing reaches a pod but storage
+                "GRPOFLOW_CACHE": str(home / ".cache" / "grpoflow"), "GRPOFLOW_MODEL_CACHE": str(home / ".cache" / "grpoflow-node"),
+                "HF_HOME": str(home / ".cache" / "huggingface"), "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(home / ".cache"),
                 **self.env,
                 "HOME": str(home), "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT),
                 "FLYTE_INTERNAL_EXECUTION_PROJECT": self.project, "FLYTE_INTERNAL_EXECUTION_DOMAIN": self.domain,
@@ -138,7 +151,12 @@ class Pods:
                 "FLYTE_ATTEMPT_NUMBER": str(attempt),
             }
             t0 = time.time()
-            proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=self.timeout_s)
+            try:
+                proc = subprocess.run(args, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=self.timeout_s)
+            finally:
+                if self.ephemeral:  # the pod is gone, and its disk with it
+                    shutil.rmtree(home, ignore_errors=True)
+                    shutil.rmtree(tmp, ignore_errors=True)
             log = proc.stdout + proc.stderr
             (pod_dir / "log.txt").write_text(log)
             self.pods.append(Pod(node_id, template.id.name, attempt, time.time() - t0, proc.returncode, log))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flytekit import dynamic, workflow
+from flytekit import dynamic, task, workflow
 
 from dataplane.meta import KVBatchMeta
 from rl.async_grpo import generation_version
@@ -21,6 +21,7 @@ from tasks.config_file import load_config_file
 from tasks.finish import finish_run
 from tasks.logprobs import policy_logprobs, reference_logprobs
 from tasks.placement import declared, placed
+from tasks.retry import transient_errors_retried
 from tasks.rollout import rollout
 from tasks.setup import start_run
 from tasks.train import train
@@ -28,10 +29,13 @@ from tasks.types import PolicyVersion, RunInfo, RunSummary
 from tasks.validate import validate
 
 
-def grpo_step(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int, behaviour: PolicyVersion) -> PolicyVersion:
+def grpo_step(
+    cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int, behaviour: PolicyVersion, node: Callable[[Any], Callable[..., Any]] | None = None
+) -> PolicyVersion:
     """One GRPO step: the policy after ``step - 1`` updates -> the policy after ``step``, trained on completions
-    sampled from ``behaviour``: ``policy`` itself when synchronous, an older policy when async."""
-    node = _nodes(cfg, f"step-{step}")
+    sampled from ``behaviour``: ``policy`` itself when synchronous, an older policy when async. ``node(task)`` is how
+    a task is called: a placed node of the DAG (the default), or its Python body inside :func:`grpo_steps`."""
+    node = node or _nodes(cfg, f"step-{step}")
     # 1 rollout: G completions per prompt by the behaviour policy, scored, first put of the step partition
     batch: KVBatchMeta = node(rollout)(cfg=cfg, run=run, policy=behaviour, step=step)
     # 2 policy logprobs (only off-policy: on-policy, pi_old is the training forward itself) and
@@ -67,12 +71,45 @@ def training_loop(cfg: GRPOConfig, run: RunInfo) -> RunSummary:
     accuracy = -1.0
     if cfg.grpo.val_at_start and run.start_step == 0:
         accuracy = _nodes(cfg, "step-0")(validate)(cfg=cfg, run=run, policy=policy)
+    k = cfg.resources.steps_per_task
+    if k > 1:  # one node per k steps, back-ends warm inside it (synchronous GRPO only: rl.config checks)
+        for first in range(run.start_step + 1, cfg.grpo.max_num_steps + 1, k):
+            last = min(first + k - 1, cfg.grpo.max_num_steps)
+            policy, accuracy = _nodes(cfg, f"steps-{first}-{last}")(grpo_steps)(cfg=cfg, run=run, policy=policy, first=first, last=last, accuracy=accuracy)
+        return _nodes(cfg, "end")(finish_run)(cfg=cfg, run=run, policy=policy, validation_accuracy=accuracy)
     for step in range(run.start_step + 1, cfg.grpo.max_num_steps + 1):
         behaviour = policies[generation_version(step, cfg.grpo.max_trajectory_age_steps, run.start_step)]
         policy = policies[step] = grpo_step(cfg, run, policy, step, behaviour)
         if _validation_due(cfg, step):
             accuracy = _nodes(cfg, f"step-{step}")(validate)(cfg=cfg, run=run, policy=policy)
     return _nodes(cfg, "end")(finish_run)(cfg=cfg, run=run, policy=policy, validation_accuracy=accuracy)
+
+
+@task(retries=2, **declared("train"))
+@transient_errors_retried
+def grpo_steps(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, first: int, last: int, accuracy: float) -> tuple[PolicyVersion, float]:
+    """Steps ``first .. last`` of synchronous GRPO in this one task (``resources.steps_per_task``): each step's tasks
+    run as plain calls in this process, so the generation and policy back-ends stay warm from step to step (the
+    generator refits from the live trainer), as under the local executor.
+
+    Only the last step saves the trainer state with its weights (what the next such task loads); the steps before it
+    save as a local run does (the weights, and a full checkpoint when due). A retry starts again from ``policy``:
+    steps an earlier attempt finished (their metrics logged) are trained again to the same weights and not logged
+    twice.
+
+    Returns:
+        the policy after ``last``, and the validation accuracy of the last validation in the range (``accuracy``,
+        the one before it, when none was due).
+    """
+    import dataclasses
+
+    warm = dataclasses.replace(run, cold_tasks=False)  # inside this task: the next step's trainer is this process
+    inline: Callable[[Any], Callable[..., Any]] = lambda t: t.task_function  # noqa: E731
+    for step in range(first, last + 1):
+        policy = grpo_step(cfg, run if step == last else warm, policy, step, policy, node=inline)
+        if _validation_due(cfg, step):
+            accuracy = validate.task_function(cfg=cfg, run=run, policy=policy)
+    return policy, accuracy
 
 
 @workflow

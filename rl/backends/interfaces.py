@@ -178,9 +178,11 @@ class PolicyBackend(abc.ABC):
         them."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, url: str, *, trainer_state: Any | None = None) -> str:
+    def save_checkpoint(self, url: str, *, trainer_state: Any | None = None, serving_dtype: str | None = None) -> str:
         """Write an HF folder of the policy at ``url`` (``from_pretrained`` loads it); with ``trainer_state``
-        (an :class:`rl.checkpoint.TrainerState`) also optimizer, scheduler and RNG state. Returns ``url``."""
+        (an :class:`rl.checkpoint.TrainerState`) also optimizer, scheduler and RNG state; with ``serving_dtype``
+        (``"bfloat16"``) also a copy of the weights in it for generation pods (:func:`rl.checkpoint.save`).
+        Returns ``url``."""
 
     @abc.abstractmethod
     def load_checkpoint(self, version: PolicyVersion, *, with_optimizer: bool) -> None:

@@ -3,7 +3,11 @@ against the transformers policy back-end's training forward (float32). One engin
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
+import logging
+import typing
 
 import pytest
 import torch
@@ -49,6 +53,10 @@ def setup(real_model_dir):
     torch.set_num_threads(1)
     assert torch.get_num_threads() == 1
     torch.set_num_threads(2)
+    # the CPU's settings: seeded requests in waves, whole prefills; temperature 1: vLLM's raw (untruncated) logprobs
+    plan = gen.plan
+    assert (plan.device, plan.seeded, plan.waves, plan.engine["enable_chunked_prefill"]) == ("cpu", True, True, False)
+    assert plan.engine["logprobs_mode"] == "raw_logprobs"
     policy = HFPolicy(cfg, tokenizer=tok, reference_path=real_model_dir)
     policy.load_checkpoint(PolicyVersion(step=0, path=real_model_dir), with_optimizer=True)
     d = cfg.data
@@ -152,3 +160,77 @@ def test_a_step_of_more_prompt_tokens_than_one_forward_takes(setup):
     assert 8 * sum(map(len, prompts)) > 4096  # 128 seeded sequences whose prefills exceed one step's 4096 tokens
     out = gen.generate(prompts, group_size=8, seed=5)
     assert len(out.input_ids) == 128 and all(len(r) >= 1 for r in out.response_token_ids)
+
+
+@contextlib.contextmanager
+def _reload_log():
+    """The records vLLM's in-place reload logs (``reload/layerwise.py``), WARNING and up."""
+    from rl.backends.vllm.generation import _LAYERWISE_LOGGER
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = seen.append
+    logger = logging.getLogger(_LAYERWISE_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_with_top_p_below_1_generation_logprobs_are_still_the_training_forwards(setup, monkeypatch):
+    """At temperature 1 the engine reports vLLM's raw logprobs: over the whole vocabulary, as the trainer and the
+    transformers back-end compute them, not renormalized over the nucleus (which would be >= them, off by the nucleus
+    mass on every token)."""
+    cfg, _, gen, policy, _, prompts = setup
+    monkeypatch.setattr(cfg.generation, "top_p", 0.5)  # sampling params are read per call; the engine's mode stays
+    batch = _batch(gen.generate(prompts, group_size=4, seed=11))
+    error = _mult_prob_error(policy.get_logprobs(batch), batch["generation_logprobs"], batch["token_mask"])
+    assert 1.0 <= error <= 1.02, error
+
+
+def test_unseeded_requests_in_one_call_sample_the_same_policy(setup, monkeypatch):
+    """The plan a run without reproducibility gets (no seeds, no waves) on the real engine."""
+    _, _, gen, policy, _, prompts = setup
+    monkeypatch.setattr(gen, "_plan", dataclasses.replace(gen.plan, seeded=False, waves=False))
+    batch = _batch(gen.generate(prompts, group_size=4, seed=12))
+    assert batch["token_mask"].sum(1).min() >= 1
+    error = _mult_prob_error(policy.get_logprobs(batch), batch["generation_logprobs"], batch["token_mask"])
+    assert 1.0 <= error <= 1.02, error
+
+
+def test_a_refit_warns_of_nothing_and_refuses_to_leave_a_layer_stale(setup):
+    """vLLM's reload reports ``RotaryEmbedding: Failed to load weights`` on every refit: the layer holds only its
+    cos/sin cache, computed from the config, which no checkpoint has and vLLM rightly keeps. That report is dropped;
+    the same report of a layer with trained weights (here the final norm, left out) is an error."""
+    _, _, gen, policy, _, _ = setup
+    with _reload_log() as seen:
+        gen.refit(PolicyVersion(step=5, path="in-process"), weights=policy.named_weights())
+    assert not seen, [r.getMessage() for r in seen]
+    assert "RotaryEmbedding" in gen._derived_layers and "RMSNorm" not in gen._derived_layers
+    partial = [(k, v) for k, v in policy.named_weights() if k != "model.norm.weight"]
+    with _reload_log() as seen, pytest.raises(RuntimeError, match=r"vLLM refit to step 6: no weights were given for the RMSNorm layer"):
+        gen.refit(PolicyVersion(step=6, path="in-process"), weights=partial)
+    assert not seen and gen.weight_version == 5
+    gen.refit(PolicyVersion(step=6, path="in-process"), weights=policy.named_weights())  # whole again
+    assert gen.weight_version == 6
+
+
+def test_every_devices_settings_are_engine_arguments_of_this_vllm():
+    """The CUDA build cannot run here: at least its settings must be names and values this vLLM's engine takes."""
+    import vllm.envs
+    from vllm.config.model import LogprobsMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rl.backends.vllm.settings import engine_plan
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for precision, temperature in (("bfloat16", 1.0), ("float32", 0.7)):
+        cfg = config_from_dict({"model": {"precision": precision}, "generation": {"backend": "vllm", "temperature": temperature}})
+        for device in ("cpu", "cuda"):
+            for shares_gpu in (False, True):
+                plan = engine_plan(cfg, device, model_max_len=2048, shares_gpu=shares_gpu)
+                assert set(plan.engine) <= fields, set(plan.engine) - fields
+                assert plan.engine["logprobs_mode"] in typing.get_args(LogprobsMode)
+                assert set(plan.env) | set(plan.env_defaults) <= set(vllm.envs.environment_variables)
+                EngineArgs(model="unused", **plan.engine)  # the dataclass takes them all

@@ -66,3 +66,28 @@ def test_two_steps_through_local_executor(tmp_path, tiny_model_dir, backend):
     after = load_file(str(ckpt / "model.safetensors"))
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) == len(before)
+
+
+@pytest.mark.integration
+def test_two_steps_per_task_equal_a_node_per_task(tmp_path, tiny_model_dir):
+    """``resources.steps_per_task: 2`` runs steps 1-2 and 3 as two tasks with warm back-ends: the same weights, bit
+    for bit, and the same metrics as a node per task."""
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    from workflows.grpo import grpo
+
+    runs = {}
+    for k in (1, 2):
+        cfg = small_config(tmp_path / f"k{k}", tiny_model_dir, grpo={"max_num_steps": 3, "val_period": 2}, resources={"steps_per_task": k})
+        summary = grpo(cfg=cfg)
+        assert summary.final_step == 3
+        history = {
+            key: [(m.step, m.value) for m in sorted(MlflowClient(cfg.tracking.uri).get_metric_history(summary.mlflow_run_id, key), key=lambda m: m.step)]
+            for key in ("train/loss", "train/reward", "train/grad_norm", "validation/accuracy")
+        }
+        runs[k] = (load_file(str(Path(summary.last_checkpoint) / "model.safetensors")), history, summary.validation_accuracy)
+    (w1, h1, a1), (w2, h2, a2) = runs[1], runs[2]
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert h1 == h2 and [s for s, _ in h1["train/loss"]] == [1, 2, 3] and [s for s, _ in h1["validation/accuracy"]] == [2, 3]
+    assert a1 == a2

@@ -331,3 +331,24 @@ def test_async_rollout_of_step_k_waits_only_for_the_policy_of_step_k_minus_1_min
         (trained,) = [b.binding for b in nodes[f"step-{k}-train"].inputs if b.var == "policy"]
         if k > 1:
             assert trained.promise.node_id == f"step-{k - 1}-train"
+
+
+# ---------------------------------------------------------------- several steps per task
+
+
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_k_steps_per_task_compile_to_one_train_class_node_per_k_steps(backend, registered_settings):
+    cfg = _cluster(steps=5)
+    cfg = dataclasses.replace(
+        cfg,
+        generation=dataclasses.replace(cfg.generation, backend=backend),
+        resources=dataclasses.replace(cfg.resources, steps_per_task=2),
+    )
+    spec, _ = _compile(cfg, registered_settings)
+    assert [n.id for n in spec.nodes] == ["steps-1-2-grpo-steps", "steps-3-4-grpo-steps", "steps-5-5-grpo-steps", "end-finish-run"]
+    assert {n.task_node.reference_id.name for n in spec.nodes[:3]} == {"workflows.grpo.grpo_steps"}
+    got = _placement(spec.nodes[0])
+    assert got["requests"] == got["limits"] == {CPU: cfg.resources.train.cpu, MEM: cfg.resources.train.memory, GPU: str(cfg.resources.train.gpu)}
+    # vLLM is only in the rollout image (which also holds the transformers trainer); else the task's own train image
+    expected = rollout_gpu_image.image_name() if backend == "vllm" else None
+    assert {_placement(n)["image"] for n in spec.nodes[:3]} == {expected}

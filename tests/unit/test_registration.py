@@ -30,6 +30,7 @@ TASKS = {
     "tasks.evaluate.find_checkpoint",
     "tasks.evaluate.evaluate",
     "workflows.grpo.training_loop",
+    "workflows.grpo.grpo_steps",
 }
 WORKFLOWS = {"workflows.grpo.grpo", "workflows.grpo.grpo_from_file", "workflows.evaluate.evaluate"}
 LAUNCH_PLANS = WORKFLOWS | {f"grpo_{p.stem.replace('-', '_')}" for p in CONFIGS} | {"evaluate_newest"}

@@ -68,8 +68,11 @@ class HFGeneration(GenerationBackend):
         from rl.checkpoint import local_folder
 
         if weights is None:
-            with local_folder(version.path, self._cfg.dataplane.storage_options, require_complete=version.step > 0) as folder:
-                self._model = load_model(folder, dtype=self._dtype())
+            dtype = self._dtype()
+            so = self._cfg.dataplane.storage_options
+            serving = "bfloat16" if dtype == torch.bfloat16 else None  # the checkpoint's bf16 copy where it has one
+            with local_folder(version.path, so, require_complete=version.step > 0, weights_only=True, dtype=serving) as folder:
+                self._model = load_model(folder, dtype=dtype)
         else:
             if self._model is None:
                 self._model = load_model(self._model_path, dtype=self._dtype())

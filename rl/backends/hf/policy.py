@@ -72,7 +72,7 @@ class HFPolicy(PolicyBackend):
         so = self._cfg.dataplane.storage_options
         if with_optimizer:
             checkpoint.require_trainer_state(version.path, version.step, so)
-        with checkpoint.local_folder(version.path, so, require_complete=version.step > 0) as folder:
+        with checkpoint.local_folder(version.path, so, require_complete=version.step > 0, weights_only=not with_optimizer) as folder:
             if self._model is None or self._version != version.step:
                 self._model = load_model(folder)
                 self._optimizer = self._scheduler = self._optimizer_version = None
@@ -83,7 +83,7 @@ class HFPolicy(PolicyBackend):
                     checkpoint.load_trainer_state(folder, self._optimizer, self._scheduler)
                 self._optimizer_version = version.step
 
-    def save_checkpoint(self, url: str, *, trainer_state: Any | None = None) -> str:
+    def save_checkpoint(self, url: str, *, trainer_state: Any | None = None, serving_dtype: str | None = None) -> str:
         from rl import checkpoint
 
         with_state = trainer_state is not None
@@ -95,6 +95,7 @@ class HFPolicy(PolicyBackend):
             scheduler=self._scheduler if with_state else None,
             state=trainer_state,
             storage_options=self._cfg.dataplane.storage_options,
+            serving_dtype=serving_dtype,
         )
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

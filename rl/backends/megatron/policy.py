@@ -170,7 +170,7 @@ class MegatronPolicy(PolicyBackend):
         so = self._cfg.dataplane.storage_options
         if with_optimizer:
             checkpoint.require_trainer_state(version.path, version.step, so)
-        with checkpoint.local_folder(version.path, so, require_complete=version.step > 0) as folder:
+        with checkpoint.local_folder(version.path, so, require_complete=version.step > 0, weights_only=not with_optimizer) as folder:
             if self._model is None or self._version != version.step:
                 self._model = self._build(folder)
                 self._optimizer = self._scheduler = self._optimizer_version = self._gathered = None
@@ -216,7 +216,7 @@ class MegatronPolicy(PolicyBackend):
         assert self._gathered is not None
         return self._gathered[1], self._gathered[2]
 
-    def save_checkpoint(self, url: str, *, trainer_state: Any | None = None) -> str:
+    def save_checkpoint(self, url: str, *, trainer_state: Any | None = None, serving_dtype: str | None = None) -> str:
         from rl import checkpoint
         from rl.backends.megatron.model import HFFolder
 
@@ -230,6 +230,7 @@ class MegatronPolicy(PolicyBackend):
             scheduler=self._scheduler if with_state else None,
             state=trainer_state,
             storage_options=self._cfg.dataplane.storage_options,
+            serving_dtype=serving_dtype,
         )
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

@@ -1,10 +1,18 @@
 """The vLLM generation back-end: vLLM's offline engine in this process, ``n = G`` per prompt (the G completions
-share their prompt's KV cache), one seed per request, the sampled tokens' logprobs of the temperature-scaled
-distribution in float32, and weights refitted in place (no engine restart, no disk round trip when a trainer in
-this process holds them).
+share their prompt's KV cache), the sampled tokens' logprobs in float32, and weights refitted in place (no engine
+restart, no disk round trip when a trainer in this process holds them), handed to vLLM in the engine's dtype.
 
-Deviations from the transformers back-end: with ``top_p < 1`` vLLM reports the logprob renormalized over the
-nucleus (ours: before truncation); completions of the two back-ends differ for the same seed (different RNGs).
+What the engine gets on each device (chunked prefill, KV-cache waves, ``max_num_seqs``, ``gpu_memory_utilization``,
+dtype, CUDA graphs, sleep mode, seeds per request, logprobs mode) is decided in :mod:`rl.backends.vllm.settings`.
+
+``generation_logprobs`` mean what the transformers back-end's and the training forward's do: log softmax(logits /
+temperature) of the sampled token over the whole vocabulary, before top-p truncation
+(:func:`rl.backends.vllm.settings.logprobs_mode`); the config refuses ``top_p < 1`` with a temperature other than 1,
+where vLLM cannot report that. Completions of the two back-ends differ for the same seed (different RNGs).
+
+A refit never logs vLLM's ``<Layer>: Failed to load weights`` for layers that hold nothing a checkpoint has (the
+rotary embedding's cos/sin cache, computed from the config: vLLM rightly keeps it); for any other layer it is an
+error (:class:`RuntimeError`), since vLLM would keep that layer's old weights.
 """
 
 from __future__ import annotations
@@ -19,10 +27,14 @@ from typing import Any
 import torch
 
 from rl.backends.interfaces import GenerationBackend, Generated, PolicyVersion
+from rl.backends.vllm.settings import EnginePlan, engine_plan
 from rl.config import GRPOConfig
 
-CPU_BATCH_SIZE = 64
-"""``max_num_seqs`` of the CPU build when ``generation.batch_size`` is not set (the transformers loop's CPU default)."""
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What a level-1 sleep releases (weights to host memory, KV cache dropped): the tags ``LLM.wake_up`` takes back."""
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM's in-place reload (``reload/layerwise.py``), which reports layers it was given no weights for."""
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -53,7 +65,7 @@ def waves(needs: list[int], capacity: int) -> list[list[int]]:
         if need > capacity:
             msg = (
                 f"one prompt's group needs {need} KV-cache tokens but the vLLM engine holds {capacity}; raise "
-                "generation.vllm_cfg.cpu_kv_cache_gib (CPU) or gpu_memory_utilization (GPU), or lower "
+                "generation.vllm_cfg.cpu_kv_cache_gib, or lower "
                 "grpo.num_generations_per_prompt or generation.max_new_tokens"
             )
             raise ValueError(msg)
@@ -70,56 +82,64 @@ class VLLMGeneration(GenerationBackend):
     to spawn, so no ``__main__`` guard is needed and the weights can be updated without pickling them).
 
     Args:
-        cfg: the run's config (``generation`` sampling and ``vllm_cfg`` engine settings, ``model.precision``).
+        cfg: the run's config (``generation`` sampling and ``vllm_cfg`` engine settings, ``model.precision``,
+            ``optim.deterministic``).
         tokenizer: the model's tokenizer (its eos id ends completions, as in the transformers back-end).
         model_path: the base model folder: the engine a warm :meth:`refit` starts from.
+        shares_gpu: a trainer in this process computes on the same GPU (a local run, or steps run together in one
+            task; not a cluster's rollout pod): on CUDA the engine then sleeps after every :meth:`generate` (weights
+            to host memory, KV cache freed) and wakes for the next refit or call, so that the trainer has the GPU's
+            memory meanwhile. Ignored on the CPU.
     """
 
     name = "vllm"
 
-    def __init__(self, cfg: GRPOConfig, *, tokenizer: Any, model_path: str) -> None:
+    def __init__(self, cfg: GRPOConfig, *, tokenizer: Any, model_path: str, shares_gpu: bool = False) -> None:
         self._cfg = cfg
         self._tokenizer = tokenizer
         self._model_path = model_path
+        self._shares_gpu = shares_gpu
         self._llm: Any = None
+        self._plan: EnginePlan | None = None
         self._version: int | None = None
+        self._sleeping: set[str] = set()
+        self._derived_layers: frozenset[str] | None = None
 
     @property
     def weight_version(self) -> int | None:
         return self._version
 
-    # ------------------------------------------------------------------------------------------ engine
-    def _start(self, folder: str) -> None:
-        v = self._cfg.generation.vllm_cfg
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{v.cpu_kv_cache_gib:g}")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
+    @property
+    def plan(self) -> EnginePlan | None:
+        """The settings the running engine was started with (None before the first load)."""
+        return self._plan
 
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine sleeps (between calls, when it shares its GPU with a trainer)."""
+        return bool(self._sleeping)
+
+    # ------------------------------------------------------------------------------------------ engine
+    @staticmethod
+    def _device() -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _serving_dtype(self) -> str | None:
+        """``"bfloat16"`` where the engine computes in it: a checkpoint's bf16 copy is then what a cold load reads."""
         from rl.precision import resolve
 
-        cuda = torch.cuda.is_available()
-        dtype = resolve(self._cfg.model.precision, "cuda" if cuda else "cpu")
-        kwargs: dict[str, Any] = {"gpu_memory_utilization": v.gpu_memory_utilization} if cuda else {}
-        batch_size = self._cfg.generation.batch_size or (None if cuda else CPU_BATCH_SIZE)
-        if batch_size is not None:  # None on a GPU: vLLM's own default
-            kwargs["max_num_seqs"] = batch_size
-        max_len = min(v.max_model_len, _model_max_len(folder))
+        return "bfloat16" if resolve(self._cfg.model.precision, self._device()) == "bfloat16" else None
+
+    def _start(self, folder: str) -> None:
+        plan = engine_plan(self._cfg, self._device(), model_max_len=_model_max_len(folder), shares_gpu=self._shares_gpu)
+        os.environ.update(plan.env)
+        for key, value in plan.env_defaults.items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
         with _process_state_kept(), _werkzeug_proxies_hidden():
-            self._llm = LLM(
-                model=folder,
-                dtype=dtype,
-                seed=self._cfg.grpo.seed,
-                enforce_eager=v.enforce_eager or not cuda,
-                max_model_len=max_len,
-                enable_prefix_caching=True,
-                # a seeded request whose prefill is split across steps kills the CPU engine ("CPU Generator does
-                # not use offset"): prefills are scheduled whole, as many as fit this many tokens per step
-                enable_chunked_prefill=False,
-                max_num_batched_tokens=max(max_len, 4096),
-                logprobs_mode="processed_logprobs",  # log softmax(logits / temperature), as the training forward computes
-                **kwargs,
-            )
+            self._llm = LLM(model=folder, **plan.engine)
+        self._plan, self._sleeping, self._derived_layers = plan, set(), None
 
     def kv_cache_tokens(self) -> int:
         """Tokens the engine's KV cache holds."""
@@ -133,12 +153,45 @@ class VLLMGeneration(GenerationBackend):
         longest = self._cfg.generation.max_new_tokens
         return [group_size * -(-(len(p) + longest) // block) * block for p in prompts]
 
-    def _reload(self, **source: Any) -> None:
+    def _wake(self, *tags: str) -> None:
+        """Take back what a sleep released: ``tags`` of :data:`SLEEP_TAGS` (all when none are named)."""
+        wanted = [t for t in (tags or SLEEP_TAGS) if t in self._sleeping]
+        if wanted:
+            self._llm.wake_up(tags=wanted)
+            self._sleeping.difference_update(wanted)
+
+    def _sleep(self) -> None:
+        """Level-1 sleep (weights to host memory, KV cache and prefix cache dropped) where the plan asks for it."""
+        if self._plan is not None and self._plan.sleeps and not self._sleeping:
+            self._llm.sleep(level=1)
+            self._sleeping = set(SLEEP_TAGS)
+
+    def _reload(self, weights: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
         """vLLM's in-place reload (``Worker.reload_weights``: layer by layer, re-running each layer's post-load
-        processing, so weights a CPU kernel repacked are repacked again), then drop the prefix cache, whose prompt
-        KV was computed with the old weights."""
-        self._llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+        processing, so weights a CPU kernel repacked are repacked again) of ``weights`` cast to the engine's dtype,
+        then drop the prefix cache, whose prompt KV was computed with the old weights. A sleeping engine wakes its
+        weights first and its KV cache after, so the refit's buffers and the KV cache are never resident together.
+
+        Raises:
+            RuntimeError: ``weights`` left out every tensor of a layer that holds trained weights (vLLM would keep
+                its old ones).
+        """
+        if self._derived_layers is None:  # before any reload: afterwards vLLM has re-registered the buffers
+            self._derived_layers = frozenset(self._llm.apply_model(_derived_only_layers)[0])
+        self._wake("weights")
+        dtype = self._plan.dtype if self._plan is not None else None
+        with _layers_left_unloaded() as unloaded:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _in_dtype(weights, dtype), "is_checkpoint_format": True})
+        self._wake()
         self._llm.reset_prefix_cache()
+        stale = sorted(set(unloaded) - self._derived_layers)
+        if stale:
+            msg = (
+                f"vLLM refit to step {step}: no weights were given for the {', '.join(stale)} layer(s), so the engine "
+                "kept their previous values; a refit must give every tensor of the model under its HF name (a tied "
+                "LM head as lm_head.weight too)"
+            )
+            raise RuntimeError(msg)
 
     # --------------------------------------------------------------------------------------- interface
     def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
@@ -146,25 +199,27 @@ class VLLMGeneration(GenerationBackend):
 
         if weights is None:
             so = self._cfg.dataplane.storage_options
+            # the checkpoint's copy in the engine's dtype where it has one; never the trainer state
+            part = {"require_complete": version.step > 0, "weights_only": True, "dtype": self._serving_dtype()}
             if self._llm is None:  # the engine keeps reading its model folder: a copy of a remote one stays
-                self._start(local_copy(version.path, so, require_complete=version.step > 0))
+                self._start(local_copy(version.path, so, **part))
             else:
-                with local_folder(version.path, so, require_complete=version.step > 0) as folder:
-                    self._reload(weights_iterator=_checkpoint_weights(folder))
+                with local_folder(version.path, so, **part) as folder:
+                    self._reload(_checkpoint_weights(folder), version.step)
         else:
             if self._llm is None:
                 self._start(self._model_path)
-            self._reload(weights_iterator=iter(list(weights)))
+            self._reload(list(weights), version.step)  # the (name, tensor) pairs now; each cast as vLLM loads it
         self._version = version.step
 
     def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
+        if self._llm is None or self._plan is None:
+            msg = "the vLLM generation back-end holds no weights yet: call refit(version) first"
+            raise RuntimeError(msg)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self._llm is None:
-            msg = "the vLLM generation back-end holds no weights yet: call refit(version) first"
-            raise RuntimeError(msg)
-        g = self._cfg.generation
+        g, plan = self._cfg.generation, self._plan
         eos = int(self._tokenizer.eos_token_id)
         params = [
             SamplingParams(
@@ -172,7 +227,7 @@ class VLLMGeneration(GenerationBackend):
                 temperature=0.0 if greedy else g.temperature,
                 top_p=1.0 if greedy else g.top_p,
                 max_tokens=g.max_new_tokens,
-                seed=request_seed(seed, b),
+                seed=request_seed(seed, b) if plan.seeded else None,
                 logprobs=0,  # the sampled token's logprob only
                 ignore_eos=True,  # end on the tokenizer's eos alone, as the transformers back-end does
                 stop_token_ids=[eos],
@@ -180,11 +235,16 @@ class VLLMGeneration(GenerationBackend):
             )
             for b in range(len(prompts))
         ]
+        batches = waves(self.kv_tokens_needed(prompts, group_size), self.kv_cache_tokens()) if plan.waves else [list(range(len(prompts)))]
+        self._wake()
         outputs: list[Any] = []
-        for wave in waves(self.kv_tokens_needed(prompts, group_size), self.kv_cache_tokens()):
-            outputs += self._llm.generate(
-                [TokensPrompt(prompt_token_ids=prompts[b]) for b in wave], [params[b] for b in wave], use_tqdm=False
-            )
+        try:
+            for batch in batches:
+                outputs += self._llm.generate(
+                    [TokensPrompt(prompt_token_ids=prompts[b]) for b in batch], [params[b] for b in batch], use_tqdm=False
+                )
+        finally:
+            self._sleep()
         rows_prompt, rows_response, rows_lp, rows_finished = [], [], [], []
         for prompt, out in zip(prompts, outputs, strict=True):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -200,7 +260,7 @@ class VLLMGeneration(GenerationBackend):
             self._llm = None
             gc.collect()
             _destroy_parallel_state()
-        self._version = None
+        self._version, self._plan, self._sleeping, self._derived_layers = None, None, set(), None
         return True
 
 
@@ -259,6 +319,57 @@ def _process_state_kept() -> Iterator[None]:
             os.environ.pop("LD_PRELOAD", None)
         else:
             os.environ["LD_PRELOAD"] = preload
+
+
+def _in_dtype(weights: Iterable[tuple[str, torch.Tensor]], dtype: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with every floating-point tensor cast to ``dtype`` (``"bfloat16"``, ``"float32"``; None: as given),
+    one tensor at a time as vLLM consumes them, on the tensor's own device.
+
+    vLLM casts whatever it is given into its parameters (``copy_``, round to nearest even, as ``Tensor.to``), so the
+    engine's weights are bit for bit the same either way; cast here, the tensors that vLLM's layer-by-layer reload
+    buffers until a layer is complete, and any host-to-device copy, are half the bytes of a float32 master's.
+    """
+    target = getattr(torch, dtype) if dtype is not None else None
+    for name, tensor in weights:
+        if target is not None and tensor.is_floating_point() and tensor.dtype != target:
+            tensor = tensor.detach().to(target)
+        yield name, tensor
+
+
+def _derived_only_layers(model: torch.nn.Module) -> list[str]:
+    """Class names of ``model``'s modules whose own tensors are all non-persistent buffers, computed when the module is
+    built (vLLM's rotary embeddings: the cos/sin cache of the config's RoPE settings). No checkpoint holds them, so
+    vLLM's in-place reload never finds weights for them and keeps them as they are, which is right."""
+    found = set()
+    for module in model.modules():
+        params = [p for p in module._parameters.values() if p is not None]
+        buffers = {name for name, b in module._buffers.items() if b is not None}
+        if not params and buffers and buffers <= set(module._non_persistent_buffers_set):
+            found.add(type(module).__name__)
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def _layers_left_unloaded() -> Iterator[list[str]]:
+    """Collect, instead of logging, the layer class names of vLLM's reload warning ``<Layer>: Failed to load weights``
+    (``reload/layerwise.py``: a layer none of whose weights were given; vLLM puts its previous tensors back)."""
+    import logging
+
+    found: list[str] = []
+
+    def take(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.endswith(": Failed to load weights"):
+            found.append(message.rsplit(":", 1)[0])
+            return False
+        return True
+
+    logger = logging.getLogger(_LAYERWISE_LOGGER)
+    logger.addFilter(take)
+    try:
+        yield found
+    finally:
+        logger.removeFilter(take)
 
 
 def _checkpoint_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -289,6 +289,70 @@ def test_local_folder_removes_its_copy_of_a_remote_checkpoint_and_leaves_a_local
         assert Path(folder) == Path(url)
 
 
+def _downloads(monkeypatch) -> list[str]:
+    """What ``checkpoint`` downloads from here on: the ``what`` of each retried storage operation that is one."""
+    got: list[str] = []
+    real = checkpoint.retry_transient
+
+    def spy(fn, *, what, **k):
+        if ": download " in what:
+            got.append(what.rsplit(": download ", 1)[1])  # the file, relative to the checkpoint
+        return real(fn, what=what, **k)
+
+    monkeypatch.setattr(checkpoint, "retry_transient", spy)
+    return got
+
+
+def test_a_weights_only_copy_leaves_the_trainer_state_behind(store, monkeypatch):
+    root, so = store
+    url = f"{root}/{RUN}/checkpoints/step_000001"
+    _save(url, so, seed=1)
+    got = _downloads(monkeypatch)
+    folder = checkpoint.local_copy(url, so, require_complete=True, weights_only=True)
+    assert _same_weights(_weights(folder), _trained(1)[0].state_dict())
+    if "://" in root:  # a copy of S3: the optimizer moments (2x the weights) never cross the network
+        assert got and not [g for g in got if checkpoint.TRAINER_STATE in g]
+        assert not Path(folder, checkpoint.TRAINER_STATE).exists()
+        assert set(checkpoint.verify(folder)["files"]) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"} & set(checkpoint.verify(url, so)["files"])
+        shutil.rmtree(folder)
+    full = checkpoint.local_copy(url, so, require_complete=True)  # the trainer still gets everything
+    model = _model(7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert checkpoint.load_trainer_state(full, opt, None).step == 1
+
+
+def test_a_bfloat16_serving_copy_is_the_master_cast_and_what_a_bf16_loader_downloads(store, monkeypatch):
+    root, so = store
+    url = f"{root}/{RUN}/weights/step_000001"
+    model, opt = _trained(1)
+    state = checkpoint.TrainerState(step=1, mlflow_run_id="m", extra={})
+    checkpoint.save(url, model=model, tokenizer=_Tok(), optimizer=opt, state=state, storage_options=so, serving_dtype="bfloat16")
+    files = checkpoint.verify(url, so)["files"]
+    assert "bfloat16/model.safetensors" in files and "bfloat16/config.json" in files
+    assert files["bfloat16/model.safetensors"]["size"] < 0.6 * files["model.safetensors"]["size"]
+    got = _downloads(monkeypatch)
+    folder = checkpoint.local_copy(url, so, require_complete=True, dtype="bfloat16")
+    bf16_downloads = list(got)
+    master = model.state_dict()
+    served = _weights(folder)
+    assert served.keys() == _weights(checkpoint.local_copy(url, so, require_complete=True, weights_only=True)).keys()
+    for k, w in served.items():  # bit for bit what a bf16 engine makes of the float32 master
+        assert w.dtype == torch.bfloat16 and torch.equal(w, master[k].to(torch.bfloat16)), k
+    assert json.loads(Path(folder, "config.json").read_text()).get("dtype", json.loads(Path(folder, "config.json").read_text()).get("torch_dtype")) == "bfloat16"
+    from transformers import AutoModelForCausalLM
+
+    assert next(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
+    if "://" in root:
+        assert "bfloat16/model.safetensors" in bf16_downloads  # the bf16 copy, nothing of the master or its state
+        assert not [g for g in bf16_downloads if not g.startswith("bfloat16/")]
+    # a checkpoint without a copy serves its float32 root (no trainer state) to a bf16 loader
+    plain = f"{root}/{RUN}/weights/step_000002"
+    _save(plain, so, seed=2)
+    assert _same_weights(_weights(checkpoint.local_copy(plain, so, require_complete=True, dtype="bfloat16")), _trained(2)[0].state_dict())
+    with pytest.raises(ValueError, match="serving_dtype='float16'"):
+        checkpoint.save(plain, model=model, tokenizer=_Tok(), storage_options=so, serving_dtype="float16")
+
+
 # ----------------------------------------------------------- 3. listing, resume fallback, complete-only loads
 def test_stray_names_under_checkpoints_are_ignored(store):
     root, so = store

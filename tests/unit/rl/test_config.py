@@ -507,3 +507,18 @@ def test_load_config_keeps_a_dropped_connection_transient(tmp_path):
     with pytest.raises(ValueError, match="does not exist") as missing:
         load_config(str(tmp_path / "nope.yaml"))
     assert not is_transient(missing.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"resources": {"steps_per_task": 0}}, r"resources.steps_per_task: is 0; use 1 \(a node per task\)"),
+        ({"resources": {"steps_per_task": 2}, "grpo": {"max_trajectory_age_steps": 1}, "loss": {"use_importance_sampling_correction": True}}, r"resources.steps_per_task: is 2 with grpo.max_trajectory_age_steps 1; use steps_per_task 1 for async GRPO"),
+        ({"resources": {"steps_per_task": 2, "train": {"gpu": 2}}, "policy": {"nproc_per_node": 2}}, r"is 2 with 2 training processes; use steps_per_task 1 with data- or model-parallel ranks"),
+        ({"resources": {"steps_per_task": 2}, "policy": {"backend": "megatron"}, "generation": {"backend": "vllm"}}, r"no image holds both"),
+    ],
+)
+def test_steps_per_task_refuses_what_one_task_cannot_run(data, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict(data)
+    assert config_from_dict({"resources": {"steps_per_task": 4}}).resources.steps_per_task == 4

@@ -30,7 +30,8 @@ def _cfg(tmp: Path | None = None, **generation):
         {
             "model": {"precision": "float32"},
             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
-            "generation": {"max_new_tokens": 6, "temperature": 0.7, **generation},
+            # the contract's reproducibility, asked for: vLLM seeds its requests on CUDA only when told to
+            "generation": {"max_new_tokens": 6, "temperature": 0.7, "vllm_cfg": {"seed_per_request": True}, **generation},
             "optim": {"lr": 1e-2, "logprob_batch_size": 5, "train_micro_batch_size": 4},
             "dataplane": {"root": str(tmp or "unused")},
         }

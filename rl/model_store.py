@@ -1,0 +1,347 @@
+"""The base model on the run's storage: published once, content-addressed, and loaded by every pod through a
+node-local cache.
+
+A model folder that exists only on one machine (the default model, converted from its GGUF into ``start_run``'s home
+cache; any folder on that pod's disk) means nothing to the pods that run the other tasks. :func:`publish` copies it to
+``{root}/models/{digest}/`` of the run's storage, where ``digest`` is the SHA-256 of its manifest (every file's
+relative path, size and SHA-256), so a second run of the same model finds it there and uploads nothing.
+:func:`materialize` turns that URL back into a local folder on any machine: a folder named by the digest in the node
+cache (:func:`cache_root`), downloaded once per node and checked against the manifest.
+
+The published folder has :mod:`rl.checkpoint`'s format, a weights-only checkpoint: the files, then a ``_COMPLETE``
+marker holding the manifest, written last. A folder without its marker (its publisher died half-way, or is still
+uploading) is not trusted: :func:`materialize` refuses it and the next :func:`publish` completes it. Publishers never
+delete anything, and concurrent ones are safe: on an object store they upload identical bytes to the same keys, each
+writing the marker only after all of its own files; on a local or shared disk each stages a hidden folder and renames
+it into place, the first rename winning. The node cache works the same way (a hidden download folder, verified, then
+renamed), so pods that start side by side on one node never see each other's half-written files.
+
+Local folders and hub ids pass through :func:`materialize` unchanged, so a run on one machine (the local executor)
+loads its model where it is, with nothing hashed or copied; only a remote execution publishes (``tasks.setup``).
+
+Layout under a root: ``{root}/models/{sha256 hex}/{files..., _COMPLETE}``; node cache:
+``{cache_root()}/{sha256 hex}/{files..., .grpoflow-manifest.json}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dataplane.errors import IntegrityError, retry_transient
+from dataplane.urls import redact
+
+MODELS = "models"
+"""The folder under a storage root that holds published models (beside the runs' folders)."""
+
+CACHE_ENV = "GRPOFLOW_MODEL_CACHE"
+"""The node-local cache of published models (default ``{rl.model.cache_dir()}/published``). On a cluster, point it at
+a node-local disk mounted into every pod (a hostPath or local NVMe volume) so that the pods of one node share it."""
+
+CACHE_MANIFEST = ".grpoflow-manifest.json"
+"""The manifest (the published marker's bytes) beside a node-cache copy's files. Hidden and not named ``_COMPLETE``:
+loaders take the copy as a plain model folder, which :func:`materialize` checked whole when it downloaded it, and do
+not hash it again in every pod that starts on the node."""
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_WORKERS = 8
+"""Files transferred at once (a sharded model's shards upload and download side by side)."""
+
+
+def cache_root() -> Path:
+    """``$GRPOFLOW_MODEL_CACHE``, else ``{rl.model.cache_dir()}/published`` (``$GRPOFLOW_CACHE`` or
+    ``~/.cache/grpoflow``): the node-local folder that holds published models, one sub-folder per digest."""
+    from rl.model import cache_dir
+
+    found = os.environ.get(CACHE_ENV)
+    return Path(found) if found else cache_dir() / "published"
+
+
+def models_dir(root: str) -> str:
+    """``{root}/models``: where :func:`publish` puts models under the storage root ``root`` (a URL or folder)."""
+    return f"{root.rstrip('/')}/{MODELS}"
+
+
+def _published_files(folder: Path) -> dict[str, Path]:
+    """The files of a model folder that a publish copies, by relative POSIX path: everything but hidden files and
+    folders (``.git``, a hub download's ``.cache``), a checkpoint's ``_COMPLETE`` marker, its ``trainer_state/`` and
+    its serving copies (``bfloat16/``)."""
+    from rl.checkpoint import COMPLETE, SERVING_DTYPES, TRAINER_STATE
+
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        parts = rel.split("/")
+        if any(part.startswith(".") for part in parts) or rel == COMPLETE or parts[0] in (TRAINER_STATE, *SERVING_DTYPES) or not p.is_file():
+            continue
+        out[rel] = p
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest(folder: str | Path) -> bytes:
+    """The manifest of the model folder ``folder`` as a published marker holds it: canonical JSON (sorted keys) in
+    :mod:`rl.checkpoint`'s format, ``{"format", "algorithm": "sha256", "files": {relative_path: {"size": bytes,
+    "sha256": hex}}}``. Reads every file once (~1 GB/s here).
+
+    Raises:
+        FileNotFoundError: ``folder`` is not a folder, or holds no file to publish.
+    """
+    from rl.checkpoint import HASH, MANIFEST_FORMAT
+
+    src = Path(folder)
+    if not src.is_dir():
+        msg = f"model folder {src}: not a folder"
+        raise FileNotFoundError(msg)
+    files = _published_files(src)
+    if not files:
+        msg = f"model folder {src}: no files to publish"
+        raise FileNotFoundError(msg)
+    doc = {rel: {"size": p.stat().st_size, HASH: _sha256(p)} for rel, p in files.items()}
+    return json.dumps({"format": MANIFEST_FORMAT, "algorithm": HASH, "files": doc}, indent=1, sort_keys=True).encode()
+
+
+def digest(manifest_bytes: bytes) -> str:
+    """The content address of a model: the SHA-256 (hex) of its manifest's bytes (:func:`manifest`)."""
+    return hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def is_remote(url: str) -> bool:
+    """Whether ``url`` names something on a filesystem other than the local one (``s3://...``, ``gs://...``,
+    ``simplecache::s3://...``); a local folder, ``file://`` URL or hub id (``org/name``) is not."""
+    if "://" not in url and "::" not in url:
+        return False
+    from rl.checkpoint import _fs
+
+    return not _fs(url, None)[2]
+
+
+def _local_path(url: str) -> str:
+    return url.removeprefix("file://") if url.startswith("file://") else url
+
+
+def publish(folder: str | Path, root: str, storage_options: dict[str, Any] | None = None) -> str:
+    """Publish the model folder ``folder`` under the storage root ``root``, once: return the URL of
+    ``{root}/models/{digest}`` (:func:`digest` of its :func:`manifest`), uploading nothing when a complete copy is
+    already there (an earlier run of the same model, or a concurrent publisher that finished first).
+
+    Files go first, each to its own path, then the ``_COMPLETE`` marker with the manifest: readers trust only a
+    folder with its marker, so a publish that dies half-way leaves nothing anyone loads, and the next one completes
+    it. Nothing is deleted. On a local or shared disk the files are staged in a hidden sibling folder, checked
+    against the manifest, and renamed into place (the first of concurrent publishers wins; the others drop theirs).
+    Hidden files, a ``_COMPLETE`` marker and ``trainer_state/`` of ``folder`` are left out (:func:`manifest`).
+
+    Args:
+        folder: a local model folder (``config.json``, weights, tokenizer).
+        root: the storage root (``dataplane.root``): a local folder or an fsspec URL.
+        storage_options: fsspec options of ``root``'s filesystem.
+
+    Returns:
+        the published model's URL (a local path when ``root`` is local).
+
+    Raises:
+        FileNotFoundError: ``folder`` is not a folder or holds no files.
+        dataplane.errors.IntegrityError: a marker already at that URL holds another manifest (corrupt storage), or
+            a file changed while it was being published (on a local disk: its size or SHA-256; on an object
+            store: its size).
+        OSError and storage errors: permanent, or transient past the retry deadline (a later publish completes it).
+    """
+    from rl.checkpoint import COMPLETE, _fs
+
+    src = Path(folder)
+    raw = manifest(src)
+    key = digest(raw)
+    url = f"{models_dir(root)}/{key}"
+    fs, path, local = _fs(url, storage_options)
+    found = _read_marker(fs, path, url)
+    if found is not None:
+        if found != raw:
+            msg = f"published model {redact(url)}: its {COMPLETE} marker holds another manifest than the folder it is named after; storage is corrupt there: delete {redact(url)} and publish again"
+            raise IntegrityError(msg)
+        return url
+    t0 = time.perf_counter()
+    files = json.loads(raw)["files"]
+    if local:
+        _publish_local(src, Path(path), raw, files)
+    else:
+        _upload(fs, path, url, src, raw, files)
+    size = sum(e["size"] for e in files.values())
+    print(f"[grpoflow] published the base model ({len(files)} files, {size / 1e6:.1f} MB) to {redact(url)} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return url
+
+
+def _read_marker(fs: Any, path: str, url: str) -> bytes | None:
+    from rl.checkpoint import COMPLETE
+
+    try:
+        return retry_transient(lambda: fs.cat_file(f"{path}/{COMPLETE}"), what=f"published model {redact(url)}: read {COMPLETE}")
+    except FileNotFoundError:
+        return None
+
+
+def _publish_local(src: Path, target: Path, raw: bytes, files: dict[str, Any]) -> None:
+    from rl.checkpoint import COMPLETE, _verify_folder
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"  # hidden: never taken for a model
+    try:
+        for rel in files:
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, staging / rel)
+        _verify_folder(staging, json.loads(raw), f"published model {target}")  # what lands is what the manifest says
+        (staging / COMPLETE).write_bytes(raw)
+        try:
+            staging.rename(target)  # atomic: the folder appears whole, its marker included
+        except OSError:
+            if not (target / COMPLETE).is_file():  # not a concurrent publisher's complete copy
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _upload(fs: Any, path: str, url: str, src: Path, raw: bytes, files: dict[str, Any]) -> None:
+    from rl.checkpoint import COMPLETE
+
+    def put(rel: str) -> None:
+        dest = f"{path}/{rel}"
+        retry_transient(lambda: fs.put_file(str(src / rel), dest), what=f"published model {redact(url)}: upload {rel}")
+        size = retry_transient(lambda: fs.info(dest)["size"], what=f"published model {redact(url)}: check {rel}")
+        if size != files[rel]["size"]:
+            msg = f"published model {redact(url)}: {rel} has {size} bytes after its upload, the manifest {files[rel]['size']}: did {src / rel} change meanwhile?"
+            raise IntegrityError(msg)
+
+    with ThreadPoolExecutor(max_workers=min(_WORKERS, len(files))) as pool:
+        list(pool.map(put, files))  # re-raises the first failure; the marker is not written then
+    retry_transient(lambda: fs.pipe_file(f"{path}/{COMPLETE}", raw), what=f"published model {redact(url)}: write {COMPLETE}")
+
+
+def is_published(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``url`` holds a complete published model (its ``_COMPLETE`` marker exists; the files are not read).
+
+    Raises:
+        storage errors: permanent, or transient past the retry deadline.
+    """
+    from rl.checkpoint import _fs
+
+    fs, path, _ = _fs(url, storage_options)
+    return _read_marker(fs, path, url) is not None
+
+
+def materialize(url: str, storage_options: dict[str, Any] | None = None, *, cache: str | Path | None = None) -> str:
+    """A local folder holding the model at ``url``, for ``from_pretrained``.
+
+    A local folder, ``file://`` URL or hub id is returned as it is (a ``file://`` URL as its path): nothing is copied.
+    A published model on a remote filesystem (``{root}/models/{digest}``, :func:`publish`) is downloaded once per node
+    into ``{cache}/{digest}``: into a hidden folder beside it, checked file by file against the manifest (size and
+    SHA-256), then renamed into place, so concurrent pods on one node never see a partial copy (if two download at
+    once, the first rename wins). The copy keeps the manifest as :data:`CACHE_MANIFEST`, not as a ``_COMPLETE``
+    marker, so loaders take it as a plain model folder and do not hash it again. A later call finds the cached
+    folder and checks only its files' sizes (a damaged copy is downloaded again).
+
+    Args:
+        url: a local folder, hub id, or the URL of a published model.
+        storage_options: fsspec options of ``url``'s filesystem.
+        cache: the node cache (default :func:`cache_root`).
+
+    Returns:
+        the local folder (or the hub id, unchanged).
+
+    Raises:
+        ValueError: ``url`` is remote but does not end in a model digest (64 hex digits): not a published model.
+        dataplane.errors.IntegrityError: no ``_COMPLETE`` marker there (never published, or its publisher died
+            half-way); the marker does not hash to the digest in the URL, or is malformed; a downloaded file is
+            missing, or of another size or SHA-256 than the manifest says.
+        OSError and storage errors: permanent, or transient past the retry deadline.
+    """
+    from rl.checkpoint import COMPLETE, _fs, _parse_manifest, _verify_folder
+
+    if not is_remote(url):
+        return _local_path(url)
+    fs, path, _ = _fs(url, storage_options)
+    key = path.rsplit("/", 1)[-1]
+    if not _DIGEST.fullmatch(key):
+        msg = f"{redact(url)}: not a published model (a remote model is loaded from {{root}}/{MODELS}/<sha256 digest>, as start_run publishes it); give a local folder or hub id, or a published model's URL"
+        raise ValueError(msg)
+    root = Path(cache) if cache is not None else cache_root()
+    target = root / key
+    if _cached(target, key):
+        return str(target)
+    raw = _read_marker(fs, path, url)
+    where = f"published model {redact(url)}"
+    if raw is None:
+        msg = f"{where} is not complete: it has no {COMPLETE} marker (its publisher died before finishing, or the URL is wrong); a model is loaded only once published whole"
+        raise IntegrityError(msg)
+    if digest(raw) != key:
+        msg = f"{where}: its {COMPLETE} marker hashes to {digest(raw)}, not to the digest the folder is named after; storage is corrupt there"
+        raise IntegrityError(msg)
+    doc = _parse_manifest(raw, where)
+    files = doc["files"]
+    t0 = time.perf_counter()
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".{key}.tmp-{uuid.uuid4().hex}"
+    try:
+
+        def get(rel: str) -> None:
+            dest = staging / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                retry_transient(lambda: fs.get_file(f"{path}/{rel}", str(dest)), what=f"{where}: download {rel}")
+            except FileNotFoundError:
+                msg = f"{where}: {rel} is missing (the manifest lists it)"
+                raise IntegrityError(msg) from None
+
+        with ThreadPoolExecutor(max_workers=min(_WORKERS, len(files))) as pool:
+            list(pool.map(get, files))
+        _verify_folder(staging, doc, where)  # sizes and SHA-256 of every file against the manifest
+        (staging / CACHE_MANIFEST).write_bytes(raw)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not _cached(target, key):  # not a concurrent download's complete copy
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    size = sum(e["size"] for e in files.values())
+    print(f"[grpoflow] base model {key[:12]}: {len(files)} files, {size / 1e6:.1f} MB from {redact(url)} into the node cache {target} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return str(target)
+
+
+def _cached(target: Path, key: str) -> bool:
+    """Whether the node cache holds the model ``key`` at ``target`` whole: its :data:`CACHE_MANIFEST` hashes to
+    ``key`` and every listed file has its size. Anything else there (a copy with a file truncated or gone, a folder
+    left by something else) is moved aside and removed, with a warning, so that a fresh download can take its place."""
+    from rl.checkpoint import _parse_manifest
+
+    if not target.exists():
+        return False
+    try:
+        raw = (target / CACHE_MANIFEST).read_bytes()
+        ok = digest(raw) == key and all(
+            (target / rel).is_file() and (target / rel).stat().st_size == e["size"] for rel, e in _parse_manifest(raw, str(target))["files"].items()
+        )
+    except (OSError, IntegrityError):
+        ok = False
+    if not ok:
+        print(f"[grpoflow] warning: the node cache's copy {target} is damaged or not a cached model; downloading the model again", file=sys.stderr, flush=True)
+        trash = target.with_name(f".{target.name}.bad-{uuid.uuid4().hex}")
+        try:
+            target.rename(trash)
+        except OSError:
+            return False  # another process moved it first
+        shutil.rmtree(trash, ignore_errors=True)
+    return ok
