@@ -1,6 +1,6 @@
 """What a GRPO step costs on Flyte, where every task is a fresh pod: measured at 135M, projected to 1B and 8B.
 
-    python -m bench.cold_start [--steps 2] [--rate 1.0] [--steps-per-task 8] [--out bench/results/cold_start.md]
+    python -m bench.cold_start [--steps 2] [--rate 1.0] [--steps-per-task 16] [--engine-start 30] [--out bench/results/cold_start.md]
 
 1. The same default config (the real SmolLM2-135M-Instruct, 8 x 8 x 32, float32) runs ``--steps`` steps three
    times, on a data plane and checkpoint store on a real S3 server on loopback (moto) with a sqlite MLflow store:
@@ -93,7 +93,7 @@ MODELS = (("135M", 135e6), ("1B", 1.0e9), ("8B", 8.0e9))
 PLANS = {
     "one task per step, as landed": {"load": 7.0, "save": 3.0, "per_k": False},
     "one task per step, now": {"load": 3.5, "save": 3.5, "per_k": False},
-    "K steps per task": {"load": 3.0, "save": 3.0, "per_k": True, "every_step_save": 1.0},
+    "K steps per task": {"load": 3.0, "save": 3.0, "per_k": True},
 }
 """Bytes a step moves through storage, in units of W (the float32 weights, 4 B/param; optimizer state 2W; the bf16
 serving copy W/2), per plan:
@@ -104,23 +104,27 @@ serving copy W/2), per plan:
   reference model comes from the node's model cache (0 after a node's first step), train loads 3W; train saves 3W
   plus the bf16 copy (W/2).
 - K steps per task (``resources.steps_per_task`` = K): the task loads 3W when it starts and saves 3W when it ends
-  (the next task's trainer state), and between them saves the weights every step (W, as the local executor does);
-  its fixed costs (imports, engine start-up) come once per K steps.
+  (the next task's trainer state); the steps between save nothing but the checkpoints that are due
+  (``checkpointing.checkpoint_period``: 3W each, not counted here); its fixed costs (imports, engine start-up) come
+  once per K steps.
 """
 
 
-def _projection(fixed: float, bw: dict[str, float], rate: float, k: int) -> list[str]:
+def _projection(fixed: float, bw: dict[str, float], rate: float, k: int, engine_start: float) -> list[str]:
     """The projection table: seconds of storage and fixed start-up per step, per plan and model size, at the
-    measured local-disk rates and at ``rate`` GB/s per pod (an object store)."""
+    measured local-disk rates and at ``rate`` GB/s per pod (an object store). The fixed part is ``fixed`` seconds per
+    task started (interpreter, imports, inputs) plus ``engine_start`` seconds per task that starts a generation engine:
+    every step's rollout task with a task per step; once per K steps (one task, ``fixed + engine_start``) else."""
     tasks = len(TASKS)
     out = [
         f"## Projection per step (W = float32 weights, 4 B/param; optimizer state 2W; bf16 copy W/2; K = {k})",
         "",
         f"Fixed part: {tasks} tasks x {fixed:.1f} s per step (the advantages task's startup: interpreter, imports, inputs; "
-        f"no model), once per K steps with K steps per task. Storage at {rate:g} GB/s per pod (an object store; stated, not "
+        f"no model) plus a generation engine's cold start ({engine_start:.0f} s, stated: vLLM's ~30 s) for the rollout "
+        f"task; one task's {fixed:.1f} + {engine_start:.0f} s per K steps with K steps per task. Storage at {rate:g} GB/s per pod (an object store; stated, not "
         f"measured) and at this machine's local disk (read+parse {bw['local read+parse GB/s']:.2f}, write "
         f"{bw['local write GB/s']:.2f} GB/s). Bytes per step, in W: as landed 7W loaded + 3W saved; now 3.5W + 3.5W; "
-        "K steps per task (3W + 3W)/K + W saved each step. Seconds per step:",
+        "K steps per task (3W + 3W)/K, plus the checkpoints due. Seconds per step:",
         "",
         "| model | W (GB) | plan | storage, object store | **per step, object store** | storage, local disk | per step, local disk |",
         "|---|---|---|---|---|---|---|",
@@ -129,8 +133,8 @@ def _projection(fixed: float, bw: dict[str, float], rate: float, k: int) -> list
         w = 4 * params / 1e9
         for plan, b in PLANS.items():
             div = k if b["per_k"] else 1
-            load, save = b["load"] * w / div, b["save"] * w / div + b.get("every_step_save", 0.0) * w
-            f = tasks * fixed / div
+            load, save = b["load"] * w / div, b["save"] * w / div
+            f = (fixed + engine_start) / k if b["per_k"] else tasks * fixed + engine_start
             store = (load + save) / rate
             disk = load / bw["local read+parse GB/s"] + save / bw["local write GB/s"]
             out.append(f"| {name} | {w:.1f} | {plan} | {store:.1f} | **{f + store:.1f}** | {disk:.1f} | {f + disk:.1f} |")
@@ -138,8 +142,7 @@ def _projection(fixed: float, bw: dict[str, float], rate: float, k: int) -> list
         "",
         f"Measured on the loopback S3 server (moto, one Python process: {bw['S3 download+parse GB/s']:.2f} GB/s down, "
         f"{bw['S3 upload GB/s']:.2f} GB/s up), the 135M step above. A real cluster adds pod scheduling, image pulls "
-        "(cached per node after the first) and a generation engine's start-up (vLLM ~30 s cold) to every task of the "
-        "one-task-per-step plans, once per K steps to the other.",
+        "(cached per node after the first) to every task of the one-task-per-step plans, once per K steps to the other.",
     ]
     return out
 
@@ -149,7 +152,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default="bench/results/cold_start.md")
     parser.add_argument("--rate", type=float, default=1.0, help="object-store GB/s per pod for the projection (stated, not measured)")
-    parser.add_argument("--steps-per-task", type=int, default=8, help="K of the K-steps-per-task projection")
+    parser.add_argument("--steps-per-task", type=int, default=16, help="K of the K-steps-per-task projection")
+    parser.add_argument("--engine-start", type=float, default=30.0, help="seconds a generation engine takes to start cold (stated)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -254,7 +258,7 @@ def main() -> None:
         "",
     ]
     fixed = statistics.median(cold_m["timing/advantages/startup"])  # imports + input download, no model
-    lines += _projection(fixed, bw, args.rate, args.steps_per_task)
+    lines += _projection(fixed, bw, args.rate, args.steps_per_task, args.engine_start)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

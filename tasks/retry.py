@@ -31,6 +31,8 @@ def transient_errors_retried(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
+        except FlyteRecoverableException:
+            raise  # a task called inside another (``workflows.grpo.grpo_steps``) already said so
         except Exception as err:
             if not is_transient(err):
                 raise

@@ -34,7 +34,9 @@ def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, starte
     tasks run cold (``run.cold_tasks``: the next step's train task is another process and finds it there). The policy the
     step ``started_from`` is kept too, so that a retry of this step finds its input; the next step prunes it. With
     ``grpo.max_trajectory_age_steps`` = a, so are the a policies before this one: later steps' rollouts generate with
-    them (``rl.async_grpo.generation_version``)."""
+    them (``rl.async_grpo.generation_version``). Inside a task that runs several steps, its input policy is kept
+    (``run.task_input_policy``), and a step before its last saves only a checkpoint that is due
+    (``run.weights_superseded``): the returned version then names a folder that was not written."""
     from dataplane import paths
     from rl import checkpoint
 
@@ -45,11 +47,15 @@ def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, starte
     # never prune: this save (a killed run may have left newer folders, which would count as the newest), the input
     # of this step (for its retry), and the policies later rollouts generate with (async)
     keep = {started_from.path, *(policy_url(cfg, run, v) for v in range(max(step - cfg.grpo.max_trajectory_age_steps, 0), step + 1))}
+    if run.task_input_policy:  # a task running several steps: its input, for its retry
+        keep.add(run.task_input_policy)
     if checkpoint_due(cfg, step):
         url = paths.checkpoint_dir(root, run.run_id, step)
         backend.save_checkpoint(url, trainer_state=state, serving_dtype=serving_dtype(cfg, run))
         checkpoint.prune(paths.checkpoints_dir(root, run.run_id), cfg.checkpointing.keep_last_k, so, keep=keep)
         checkpoint.prune(paths.weights_dir(root, run.run_id), 0, so, keep=keep)
+    elif run.weights_superseded:  # read by no other process: not written (a load of ``url`` fails: not complete)
+        url = paths.weights_step_dir(root, run.run_id, step)
     else:  # weights only; in a cold process also the trainer state: how it reaches the next step's train task
         url = paths.weights_step_dir(root, run.run_id, step)
         backend.save_checkpoint(url, trainer_state=state if run.cold_tasks else None, serving_dtype=serving_dtype(cfg, run))

@@ -28,6 +28,12 @@ class RunInfo:
     cold_tasks: bool = False
     """Every task runs in a fresh process (a remote execution: one pod per task), so nothing but storage carries
     the trainer from one step's train task to the next: each step's weights are saved with their optimizer state."""
+    task_input_policy: str = ""
+    """Inside a task that runs several steps (``workflows.grpo.grpo_steps``): the path of the policy the task started
+    from, never pruned while the task runs, so that a retry of the task finds it. Empty elsewhere."""
+    weights_superseded: bool = False
+    """Inside such a task, a step before its last: no other process reads this step's weights (the next step's
+    tasks run in this process on the live trainer), so they are saved only with a checkpoint that is due."""
 
 
 @dataclass

@@ -92,24 +92,49 @@ def grpo_steps(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, first: int,
     run as plain calls in this process, so the generation and policy back-ends stay warm from step to step (the
     generator refits from the live trainer), as under the local executor.
 
-    Only the last step saves the trainer state with its weights (what the next such task loads); the steps before it
-    save as a local run does (the weights, and a full checkpoint when due). A retry starts again from ``policy``:
-    steps an earlier attempt finished (their metrics logged) are trained again to the same weights and not logged
-    twice.
+    Only the last step saves its weights with the trainer state (what the next such task loads); the steps before it
+    save only the checkpoints that are due (``RunInfo.weights_superseded``), and ``policy`` is kept until the task
+    ends (``RunInfo.task_input_policy``). A retry resumes after the newest step an earlier attempt finished with its
+    trainer state saved (the last step, or a checkpoint), else from ``policy``; steps it trains again give the same
+    weights (seeded per step) and are not logged twice.
 
     Returns:
-        the policy after ``last``, and the validation accuracy of the last validation in the range (``accuracy``,
-        the one before it, when none was due).
+        the policy after ``last``, and the validation accuracy of the last validation up to ``last`` (``accuracy``,
+        the one before ``first``, when none was due).
     """
     import dataclasses
 
-    warm = dataclasses.replace(run, cold_tasks=False)  # inside this task: the next step's trainer is this process
+    done = _finished_steps(cfg, run, first, last)
+    if done is not None:
+        step, policy, accuracy = done[0], done[1], done[2] if done[2] is not None else accuracy
+        first = step + 1
+    kept = dataclasses.replace(run, task_input_policy=policy.path)
+    inner = dataclasses.replace(kept, cold_tasks=False, weights_superseded=True)  # the next step's trainer is this process
     inline: Callable[[Any], Callable[..., Any]] = lambda t: t.task_function  # noqa: E731
     for step in range(first, last + 1):
-        policy = grpo_step(cfg, run if step == last else warm, policy, step, policy, node=inline)
+        policy = grpo_step(cfg, kept if step == last else inner, policy, step, policy, node=inline)
         if _validation_due(cfg, step):
             accuracy = validate.task_function(cfg=cfg, run=run, policy=policy)
     return policy, accuracy
+
+
+def _finished_steps(cfg: GRPOConfig, run: RunInfo, first: int, last: int) -> tuple[int, PolicyVersion, float | None] | None:
+    """The newest step of ``first .. last`` an earlier attempt of :func:`grpo_steps` finished (its policy saved with
+    the trainer state, its metrics logged), that policy, and the newest validation accuracy logged up to it (None:
+    none in the range); None when no step qualifies."""
+    from rl import checkpoint
+    from tasks import saving, tracking
+
+    for step in range(last, first - 1, -1):
+        saved = saving.saved_version(cfg, run, step)
+        if saved is None or not checkpoint.has_trainer_state(saved.path, cfg.dataplane.storage_options):
+            continue
+        if not tracking.has_metric(cfg.tracking.uri, run.mlflow_run_id, "train/loss", step):
+            continue
+        history = tracking.client(cfg.tracking.uri).get_metric_history(run.mlflow_run_id, "validation/accuracy")
+        logged = sorted((m.step, m.value) for m in history if first <= m.step <= step)
+        return step, saved, (logged[-1][1] if logged else None)
+    return None
 
 
 @workflow

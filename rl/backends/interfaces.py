@@ -84,7 +84,12 @@ class GenerationBackend(abc.ABC):
 
     Sampling settings (temperature, top_p, max_new_tokens) come from ``cfg.generation`` at construction; the
     seed comes with every call, so the same (weights, prompts, seed) give the same completions whatever ran
-    before in the process.
+    before in the process, where the back-end is reproducible: always for transformers; for vLLM where requests
+    carry their own seeds (``generation.vllm_cfg.seed_per_request``, null following ``optim.deterministic``: on for
+    the CPU, off for CUDA, where unseeded requests keep vLLM's faster sampler).
+
+    ``generation_logprobs`` are log softmax(logits / temperature) over the whole vocabulary, before top-p truncation:
+    the quantity the trainer computes, on every back-end.
     """
 
     name: str = ""
@@ -101,7 +106,7 @@ class GenerationBackend(abc.ABC):
         Args:
             prompts: B prompt token-id lists.
             group_size: G completions per prompt (1 for validation).
-            seed: seeds this call's sampling only (a local generator; per-request seeds in vLLM).
+            seed: seeds this call's sampling only (a local generator; per-request seeds in vLLM where they are on).
             greedy: argmax decoding; the logprobs are then those of the unscaled logits.
 
         Returns:

@@ -91,3 +91,59 @@ def test_two_steps_per_task_equal_a_node_per_task(tmp_path, tiny_model_dir):
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
     assert h1 == h2 and [s for s, _ in h1["train/loss"]] == [1, 2, 3] and [s for s, _ in h1["validation/accuracy"]] == [2, 3]
     assert a1 == a2
+
+
+@pytest.mark.integration
+def test_a_retried_multi_step_task_trains_again_what_its_first_attempt_did_not_finish(tmp_path, tiny_model_dir, monkeypatch):
+    """Tasks of steps 1-2 and 3-4, as on a cluster (``cold_tasks``: each hands the next its trainer state through
+    storage). The second dies after saving step 4 and before logging its metrics (the MLflow call fails): its retry
+    finds no step of its range finished, starts again from its input policy (step 2's, kept although step 4's save
+    pruned the weights folder), and ends with the weights and metrics of an undisturbed run, each step logged once.
+    A retry of the finished task trains nothing."""
+    import dataclasses
+
+    from flytekit.exceptions.user import FlyteRecoverableException
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    from tasks import tracking
+    from tasks.setup import start_run
+    from tasks.types import PolicyVersion
+    from workflows.grpo import grpo, grpo_steps
+
+    def config(name: str):
+        return small_config(
+            tmp_path / name, tiny_model_dir, grpo={"max_num_steps": 4, "val_period": 2},
+            checkpointing={"checkpoint_period": 4, "keep_last_k": 1}, resources={"steps_per_task": 2},
+        )
+
+    clean_cfg = config("clean")
+    clean = grpo(cfg=clean_cfg)
+    cfg = config("retried")
+    run = dataclasses.replace(start_run.task_function(cfg=cfg), cold_tasks=True)
+    start = PolicyVersion(step=run.start_step, path=run.start_policy_path)
+    p2, _ = grpo_steps.task_function(cfg=cfg, run=run, policy=start, first=1, last=2, accuracy=-1.0)
+    real, died = tracking.log_metrics, []
+
+    def dies_once(uri, run_id, metrics, step):
+        if step == 4 and "train/loss" in metrics and not died:
+            died.append(step)
+            raise ConnectionError("the tracking server went away")
+        return real(uri, run_id, metrics, step)
+
+    monkeypatch.setattr(tracking, "log_metrics", dies_once)
+    with pytest.raises(FlyteRecoverableException, match=r"^USER:Recoverable: error=train: transient ConnectionError: the tracking server went away \(Flyte retries the task\)"):
+        grpo_steps.task_function(cfg=cfg, run=run, policy=p2, first=3, last=4, accuracy=-1.0)
+    assert died == [4] and Path(p2.path.removeprefix("file://"), "_COMPLETE").exists()  # the input survived
+    policy, accuracy = grpo_steps.task_function(cfg=cfg, run=run, policy=p2, first=3, last=4, accuracy=-1.0)
+    again = grpo_steps.task_function(cfg=cfg, run=run, policy=p2, first=3, last=4, accuracy=-1.0)
+    assert again == (policy, accuracy) and accuracy == clean.validation_accuracy
+
+    w, w_clean = (load_file(str(Path(p.removeprefix("file://")) / "model.safetensors")) for p in (policy.path, clean.last_checkpoint))
+    assert w.keys() == w_clean.keys() and all(torch.equal(w[k], w_clean[k]) for k in w)
+
+    def losses(uri: str, run_id: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "train/loss"))
+
+    assert losses(cfg.tracking.uri, run.mlflow_run_id) == losses(clean_cfg.tracking.uri, clean.mlflow_run_id)
+    assert [s for s, _ in losses(cfg.tracking.uri, run.mlflow_run_id)] == [1, 2, 3, 4]

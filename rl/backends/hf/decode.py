@@ -48,7 +48,9 @@ def sample_next(
         logits: [n, V] float32 next-token logits, on any device (the draws happen there).
         temperature: logits are divided by it (ignored when ``greedy``).
         top_p: nucleus sampling mass (1.0 = off); the logprob stays that of the temperature-scaled distribution
-            before truncation, as in NeMo-RL / vLLM ``generation_logprobs``.
+            before truncation (what the trainer computes, and what the vLLM back-end reports: its
+            ``raw_logprobs`` at temperature 1). NeMo-RL instead reports the truncated distribution's and truncates
+            in the trainer too.
         greedy: argmax; the logprob is that of the unscaled distribution.
         generator: source of the uniforms, on the logits' device; None: torch's global generator.
 
