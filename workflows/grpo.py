@@ -18,6 +18,7 @@ from rl.async_grpo import generation_version
 from rl.config import GRPOConfig
 from tasks.advantages import advantages
 from tasks.config_file import load_config_file
+from tasks.failure import run_failed, run_failed_from_file
 from tasks.finish import finish_run
 from tasks.logprobs import policy_logprobs, reference_logprobs
 from tasks.placement import declared, placed
@@ -124,12 +125,13 @@ def _finished_steps(cfg: GRPOConfig, run: RunInfo, first: int, last: int) -> tup
     none in the range); None when no step qualifies."""
     from rl import checkpoint
     from tasks import saving, tracking
+    from tasks.train import DONE_METRIC
 
     for step in range(last, first - 1, -1):
         saved = saving.saved_version(cfg, run, step)
         if saved is None or not checkpoint.has_trainer_state(saved.path, cfg.dataplane.storage_options):
             continue
-        if not tracking.has_metric(cfg.tracking.uri, run.mlflow_run_id, "train/loss", step):
+        if not tracking.has_metric(cfg.tracking.uri, run.mlflow_run_id, DONE_METRIC, step):  # the step's last metric
             continue
         history = tracking.client(cfg.tracking.uri).get_metric_history(run.mlflow_run_id, "validation/accuracy")
         logged = sorted((m.step, m.value) for m in history if first <= m.step <= step)
@@ -137,7 +139,7 @@ def _finished_steps(cfg: GRPOConfig, run: RunInfo, first: int, last: int) -> tup
     return None
 
 
-@workflow
+@workflow(on_failure=run_failed)  # a failed run's MLflow run is marked FAILED (tasks/failure.py)
 def grpo(cfg: GRPOConfig = GRPOConfig()) -> RunSummary:
     """Train a policy with GRPO.
 
@@ -148,7 +150,7 @@ def grpo(cfg: GRPOConfig = GRPOConfig()) -> RunSummary:
     return training_loop(cfg=cfg, run=run)
 
 
-@workflow
+@workflow(on_failure=run_failed_from_file)
 def grpo_from_file(config_url: str) -> RunSummary:
     """Train a policy with GRPO, configured by a YAML or JSON file at ``config_url``.
 

@@ -27,6 +27,8 @@ TASKS = {
     "tasks.train.train",
     "tasks.validate.validate",
     "tasks.finish.finish_run",
+    "tasks.failure.run_failed",
+    "tasks.failure.run_failed_from_file",
     "tasks.evaluate.find_checkpoint",
     "tasks.evaluate.evaluate",
     "workflows.grpo.training_loop",

@@ -18,6 +18,10 @@ def default_attention(device: Any) -> str:
 def load_model(path: str, attn_implementation: str | None = None, *, dtype: Any = None, device: Any = None) -> Any:
     """Causal LM at ``path`` in eval mode.
 
+    Thread-safe: ``from_pretrained`` runs under :func:`rl.model.model_construction` (transformers swaps process-wide
+    state while it builds a model, which a concurrent load in another thread would see: an async local run's
+    trajectory collector loads its generation copy beside the main thread's loads).
+
     Args:
         path: a Hugging Face model folder.
         attn_implementation: ``eager``, ``sdpa``, ...; None: :func:`default_attention` for the device.
@@ -27,9 +31,12 @@ def load_model(path: str, attn_implementation: str | None = None, *, dtype: Any 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rl.model import model_construction
+
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype or torch.float32, attn_implementation=attn_implementation or default_attention(device)
-    )
+    with model_construction():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype or torch.float32, attn_implementation=attn_implementation or default_attention(device)
+        )
     model.eval()
     return model.to(device)

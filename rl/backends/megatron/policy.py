@@ -104,7 +104,10 @@ class MegatronPolicy(PolicyBackend):
 
         bf16 = resolve(self._cfg.model.precision, self._device) == "bfloat16"
         model = build_gpt_model(self._layout, self._hf_config, self._mcfg, device=self._device, compute_dtype=torch.bfloat16 if bf16 else torch.float32)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+        from rl.model import model_construction
+
+        with model_construction():  # transformers' loading switches process-wide state (rl.model.model_construction)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
         load_hf_state_dict(model, hf, self._layout, self._mcfg)
         return model
 

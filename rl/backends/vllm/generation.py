@@ -137,7 +137,10 @@ class VLLMGeneration(GenerationBackend):
             os.environ.setdefault(key, value)
         from vllm import LLM
 
-        with _process_state_kept(), _werkzeug_proxies_hidden():
+        from rl.model import model_construction
+
+        # the engine builds its model with the process's default dtype switched: no other load beside it
+        with model_construction(), _process_state_kept(), _werkzeug_proxies_hidden():
             self._llm = LLM(model=folder, **plan.engine)
         self._plan, self._sleeping, self._derived_layers = plan, set(), None
 
