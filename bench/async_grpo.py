@@ -27,9 +27,9 @@ from pathlib import Path
 
 _RUN = """
 import json, sys
-from rl.config import config_from_dict
+from tasks.run_config import run_config_from_dict
 from workflows.grpo import grpo
-summary = grpo(cfg=config_from_dict(json.loads(sys.argv[1])))
+summary = grpo(cfg=run_config_from_dict(json.loads(sys.argv[1])))
 print("RUN_ID", summary.mlflow_run_id)
 """
 

@@ -34,9 +34,9 @@ TASKS = ("rollout", "reference_logprobs", "advantages", "train")
 
 
 def _config(root: str, so: dict, uri: str, steps: int, model: str, steps_per_task: int = 1):
-    from rl.config import config_from_dict
+    from tasks.run_config import run_config_from_dict
 
-    return config_from_dict({
+    return run_config_from_dict({
         "model": {"name": model, "precision": "float32"},
         "grpo": {"max_num_steps": steps, "val_period": 0},
         "dataplane": {"root": root, "storage_options": so},
@@ -168,8 +168,8 @@ def main() -> None:
     from flytekit.models.task import TaskSpec
     from moto.server import ThreadedMotoServer
 
-    from rl.config import GRPOConfig
     from rl.model import cache_dir, resolve_model
+    from tasks.run_config import RunConfig
     from tasks.types import RunSummary
     from tests.flyte_pods import Pods
     from workflows.grpo import grpo
@@ -203,7 +203,7 @@ def main() -> None:
 
     def cold_run(root: str, steps_per_task: int) -> tuple[dict[str, list[float]], float, Any]:
         cfg = _config(root, so, uri, args.steps, model, steps_per_task)
-        inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, GRPOConfig, TypeEngine.to_literal_type(GRPOConfig))}
+        inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, RunConfig, TypeEngine.to_literal_type(RunConfig))}
         # one node: the pods share its model cache (the first to load the published base model downloads it) and the
         # cache where start_run finds the converted default model
         node = {"GRPOFLOW_CACHE": str(cache_dir()), "GRPOFLOW_MODEL_CACHE": str(work / f"node-cache-{steps_per_task}")}

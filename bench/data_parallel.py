@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _cfg(**overrides):
-    from rl.config import config_from_dict
     from rl.model import resolve_model
+    from tasks.run_config import run_config_from_dict
 
-    return config_from_dict({"model": {"name": resolve_model("SmolLM2-135M-Instruct")}, **overrides})
+    return run_config_from_dict({"model": {"name": resolve_model("SmolLM2-135M-Instruct")}, **overrides})
 
 
 def _batch(out: Path) -> None:

@@ -38,7 +38,7 @@ BACKENDS = ("transformers", "vllm")
 
 
 def _config(backend: str, workdir: Path, *, max_new_tokens: int = 32, steps: int | None = None):
-    from rl.config import config_from_dict
+    from tasks.run_config import run_config_from_dict
 
     data = {
         "generation": {"backend": backend, "max_new_tokens": max_new_tokens, "vllm_cfg": {"cpu_kv_cache_gib": 4.0}},
@@ -47,7 +47,7 @@ def _config(backend: str, workdir: Path, *, max_new_tokens: int = 32, steps: int
     }
     if steps is not None:
         data["grpo"] = {"max_num_steps": steps, "val_period": 0}
-    return config_from_dict(data)
+    return run_config_from_dict(data)
 
 
 def child_generate(spec: dict) -> dict:

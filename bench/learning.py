@@ -94,11 +94,11 @@ def main() -> None:
 
     from mlflow.tracking import MlflowClient
 
-    from rl.config import load_config
     from rl.precision import resolve
+    from tasks.run_config import load_run_config
     from workflows.grpo import grpo
 
-    cfg = load_config(args.cfg)
+    cfg = load_run_config(args.cfg)
     ceiling = pass_at_k(cfg, args.pass_at_k) if args.pass_at_k else {}
     t0 = time.time()
     summary = grpo(cfg=cfg)

@@ -49,12 +49,12 @@ sys.path.insert(0, str(REPO))
 
 
 def ours_config(spec: dict):
-    """Our `GRPOConfig` for the benchmark (data settings are the config defaults: the same for both sides)."""
-    from rl.config import config_from_dict
+    """Our `RunConfig` for the benchmark (data settings are the config defaults: the same for both sides)."""
+    from tasks.run_config import run_config_from_dict
 
     n = spec["prompts"] * spec["generations"]
     work = Path(spec["workdir"])
-    return config_from_dict(
+    return run_config_from_dict(
         {
             "model": {"name": spec["model_path"], "precision": spec["precision"]},
             "grpo": {

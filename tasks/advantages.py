@@ -7,15 +7,15 @@ import time
 from flytekit import task
 
 from dataplane.meta import KVBatchMeta
-from rl.config import GRPOConfig
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
+from tasks.run_config import RunConfig
 from tasks.types import RunInfo
 
 
 @task(retries=2, **declared("cpu"))
 @transient_errors_retried
-def advantages(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
+def advantages(cfg: RunConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
     """Compute per-sample advantages and write them per token (the sample's A on every token)."""
     import torch
 

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 from flytekit import task
 
-from rl.config import GRPOConfig
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
+from tasks.run_config import RunConfig, load_run_config
 
 
 @task(retries=2, **declared("cpu"))
 @transient_errors_retried
-def load_config_file(url: str) -> GRPOConfig:
+def load_config_file(url: str) -> RunConfig:
     """Read and validate the config at ``url`` (``s3://...``, any fsspec URL, or a local path).
 
     Raises:
         ValueError: the file does not exist, is not YAML or JSON, or holds an invalid config (naming the key).
     """
-    from rl.config import load_config
-
-    cfg = load_config(url)
+    cfg = load_run_config(url)
     print(f"[grpoflow] config from {url}", flush=True)
     return cfg

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from flytekit import current_context, task
 
-from rl.config import GRPOConfig
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
+from tasks.run_config import RunConfig
 from tasks.types import RunInfo
 
 
 @task(retries=2, **declared("cpu"))
 @transient_errors_retried
-def find_checkpoint(cfg: GRPOConfig, run_id: str = "", checkpoint: str = "") -> RunInfo:
+def find_checkpoint(cfg: RunConfig, run_id: str = "", checkpoint: str = "") -> RunInfo:
     """The checkpoint to evaluate, as a run handle whose ``start_step``/``start_policy_path`` name it.
 
     Args:
@@ -82,7 +82,7 @@ def _newest(root: str, so: dict, run_id: str) -> str:
 
 @task(retries=2, **declared("rollout"))
 @transient_errors_retried
-def evaluate(cfg: GRPOConfig, run: RunInfo) -> float:
+def evaluate(cfg: RunConfig, run: RunInfo) -> float:
     """Greedy accuracy of the checkpoint ``run.start_policy_path`` on ``data.num_val_problems`` held-out questions;
     logs ``evaluation/accuracy`` (and ``evaluation/avg_length``, ``evaluation/reward``) at the checkpoint's step in
     the run's MLflow run, beside its training curves."""

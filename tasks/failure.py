@@ -15,12 +15,12 @@ import sys
 from flytekit import current_context, task
 from flytekit.types.error import FlyteError
 
-from rl.config import GRPOConfig
+from tasks.run_config import RunConfig
 from tasks.placement import declared
 
 
 @task(**declared("cpu"))
-def run_failed(cfg: GRPOConfig, err: FlyteError | None = None) -> None:
+def run_failed(cfg: RunConfig, err: FlyteError | None = None) -> None:
     """Mark the failed execution's MLflow run FAILED (the ``on_failure`` node of ``workflows.grpo.grpo``)."""
     mark_failed(cfg, err)
 
@@ -39,7 +39,7 @@ def run_failed_from_file(config_url: str, err: FlyteError | None = None) -> None
     mark_failed(cfg, err)
 
 
-def mark_failed(cfg: GRPOConfig, err: FlyteError | None) -> list[str]:
+def mark_failed(cfg: RunConfig, err: FlyteError | None) -> list[str]:
     """Mark FAILED the MLflow runs the failed execution left RUNNING, and release a local run's in-process state.
 
     Local (every task ran in this process): the runs this process started or resumed in ``cfg.tracking.uri``

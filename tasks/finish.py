@@ -12,8 +12,8 @@ from typing import Any
 
 from flytekit import Deck, task
 
-from rl.config import GRPOConfig
 from tasks.placement import declared
+from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo, RunSummary
 
 MODEL_NAME = "model"
@@ -34,7 +34,7 @@ def pip_requirements() -> list[str]:
 
 
 @contextmanager
-def hf_folder(cfg: GRPOConfig, policy: PolicyVersion) -> Iterator[Path]:
+def hf_folder(cfg: RunConfig, policy: PolicyVersion) -> Iterator[Path]:
     """A local folder holding the HF files of ``policy`` only (weights, config, tokenizer: what ``from_pretrained``
     loads), without the ``_COMPLETE`` marker and the ``trainer_state/`` folder; removed on exit, together with the
     local copy of a remote checkpoint.
@@ -67,7 +67,7 @@ def hf_folder(cfg: GRPOConfig, policy: PolicyVersion) -> Iterator[Path]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _model_card(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Any:
+def _model_card(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> Any:
     from huggingface_hub import ModelCard
 
     text = (
@@ -78,7 +78,7 @@ def _model_card(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Any:
     return ModelCard(text)
 
 
-def log_model_and_end_run(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Any:
+def log_model_and_end_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> Any:
     """Log ``policy``'s HF files as the MLflow model ``model`` (transformers flavor, task ``text-generation``) of the
     run ``run.mlflow_run_id``, register it under ``cfg.tracking.registered_model_name`` when set, and end the run:
     FINISHED, or FAILED if logging raised (the run's single termination; nothing else marks it finished).
@@ -121,7 +121,7 @@ def log_model_and_end_run(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) 
 
 
 @task(enable_deck=True, **declared("cpu"))
-def finish_run(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, validation_accuracy: float) -> RunSummary:
+def finish_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, validation_accuracy: float) -> RunSummary:
     """Log the reward/accuracy plot, the last checkpoint's location and the final model (see
     :func:`log_model_and_end_run`), mark the MLflow run finished."""
     from dataplane.urls import redact

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from dataplane import fields as F
 from dataplane import paths
 from dataplane.meta import KVBatchMeta
-from rl.config import GRPOConfig
+from tasks.run_config import RunConfig
 from tasks.types import RunInfo
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def rollouts_url(root: str, run_id: str, step: int) -> str:
     return paths.join(paths.run_dir(root, run_id), "rollouts", f"step_{step:06d}.parquet")
 
 
-def keep(cfg: GRPOConfig, run: RunInfo, dp: DataPlane, meta: KVBatchMeta, step: int) -> str | None:
+def keep(cfg: RunConfig, run: RunInfo, dp: DataPlane, meta: KVBatchMeta, step: int) -> str | None:
     """Write the rollouts of ``step`` (the rows of ``meta``) to :func:`rollouts_url` as one Parquet file of
     ``SCHEMA``, if ``cfg.dataplane.keep_rollouts``; call it before the step's partition is cleared.
 

@@ -7,16 +7,16 @@ import time
 from flytekit import task
 
 from dataplane.meta import KVBatchMeta
-from rl.config import GRPOConfig
 from tasks.data_parallel import DataParallel, fault_drill
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
+from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo
 
 
 @task(retries=2, task_config=DataParallel(), **declared("train"))
 @transient_errors_retried
-def policy_logprobs(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta) -> KVBatchMeta:
+def policy_logprobs(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta) -> KVBatchMeta:
     """Write ``prev_logprobs``: log pi_old of every token under the policy that generated the step.
 
     Skipped when the step is on-policy (one optimizer update per step): pi_old is then the policy being
@@ -41,7 +41,7 @@ def policy_logprobs(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: 
 
 @task(retries=2, task_config=DataParallel(), **declared("train"))
 @transient_errors_retried
-def reference_logprobs(cfg: GRPOConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
+def reference_logprobs(cfg: RunConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
     """Write ``reference_policy_logprobs``: log pi_ref of every token under the base model."""
     from rl import distributed
     from tasks import runtime

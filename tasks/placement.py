@@ -1,4 +1,5 @@
-"""Where each task runs on a cluster: its container image and its Kubernetes resources, from ``cfg.resources``.
+"""Where each task runs on a cluster: its container image and its Kubernetes resources, from ``cfg.resources`` (the
+section of `tasks.run_config.RunConfig`).
 
 Tasks belong to three classes (``ROLE``): generation on the rollout image, forward/backward passes on the train
 image, bookkeeping on the CPU image. Every task is declared with its class's ImageSpec and the resources of the
@@ -17,8 +18,8 @@ from flytekit.extras.accelerators import GPUAccelerator
 from images.cpu import cpu_image
 from images.rollout_gpu import rollout_gpu_image
 from images.train_gpu import train_gpu_image
-from rl.config import GRPOConfig, ResourcesConfig, TaskResources
 from tasks.data_parallel import DataParallel
+from tasks.run_config import ResourcesConfig, RunConfig, TaskResources
 
 ROLE: dict[str, str] = {
     "rollout": "rollout",
@@ -105,7 +106,7 @@ def image_reference(name: str, role: str) -> str | None:
     return found.full
 
 
-def steps_image(cfg: GRPOConfig) -> str:
+def steps_image(cfg: RunConfig) -> str:
     """The image of a node that runs whole steps (``resources.steps_per_task`` > 1, on the train class's resources):
     the train class's, except that its default (the train image, which has no vLLM) becomes the rollout image with
     ``generation.backend: vllm`` (that image also holds the transformers trainer; megatron with vLLM is refused at
@@ -114,7 +115,7 @@ def steps_image(cfg: GRPOConfig) -> str:
     return "rollout-gpu" if image == "default" and cfg.generation.backend == "vllm" else image
 
 
-def overrides(cfg: GRPOConfig, role: str, *, image_name: str | None = None) -> dict[str, Any]:
+def overrides(cfg: RunConfig, role: str, *, image_name: str | None = None) -> dict[str, Any]:
     """``Node.with_overrides`` keyword arguments that place a node of class ``role`` as ``cfg.resources`` says (on
     ``image_name`` instead of the class's image, when given)."""
     res: TaskResources = getattr(cfg.resources, role)
@@ -126,7 +127,7 @@ def overrides(cfg: GRPOConfig, role: str, *, image_name: str | None = None) -> d
     return out
 
 
-def placed(cfg: GRPOConfig, task: Any, *, node_name: str | None = None) -> Callable[..., Any]:
+def placed(cfg: RunConfig, task: Any, *, node_name: str | None = None) -> Callable[..., Any]:
     """``task`` as a callable whose node (inside a ``@dynamic``) runs where ``cfg.resources`` says, named
     ``node_name`` in the console. Outside a compilation (a local run) the call is the plain task call."""
     role = role_of(task.name)

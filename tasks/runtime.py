@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from rl.backends.interfaces import GenerationBackend, PolicyBackend
-from rl.config import GRPOConfig
+from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo
 
 if TYPE_CHECKING:
@@ -68,13 +68,13 @@ def set_threads() -> None:
         torch.set_num_threads(max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def dataplane(cfg: GRPOConfig, run: RunInfo):
+def dataplane(cfg: RunConfig, run: RunInfo):
     from dataplane.client import DataPlane
 
     return DataPlane(cfg.dataplane.root, run.run_id, storage_options=cfg.dataplane.storage_options)
 
 
-def base_model(cfg: GRPOConfig, run: RunInfo) -> str:
+def base_model(cfg: RunConfig, run: RunInfo) -> str:
     """The run's base model (``run.model_path``, also the reference policy) as a local folder this process loads.
 
     A model published on the run's storage (``{root}/models/{digest}``, :func:`rl.model_store.publish`: what a
@@ -95,12 +95,12 @@ def base_model(cfg: GRPOConfig, run: RunInfo) -> str:
     return found
 
 
-def base_tokenizer(cfg: GRPOConfig, run: RunInfo) -> Any:
+def base_tokenizer(cfg: RunConfig, run: RunInfo) -> Any:
     """The tokenizer of the run's base model (:func:`base_model`, :func:`tokenizer`)."""
     return tokenizer(base_model(cfg, run))
 
 
-def _local_base(cfg: GRPOConfig, run: RunInfo, version: PolicyVersion) -> PolicyVersion:
+def _local_base(cfg: RunConfig, run: RunInfo, version: PolicyVersion) -> PolicyVersion:
     """``version`` with the base model's node-cache folder as its path when it names the base model (step 0 of a
     new run), so that back-ends load it from the node cache instead of copying it from storage again."""
     if version.path == run.model_path:
@@ -116,7 +116,7 @@ def tokenizer(path: str) -> Any:
     return load_tokenizer(path)
 
 
-def generation(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> GenerationBackend:
+def generation(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> GenerationBackend:
     """The run's generation back-end holding the weights of ``policy``.
 
     It refits only when it holds another version: in place from the live policy back-end when that one is at
@@ -130,7 +130,7 @@ def generation(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> Generati
     return gen
 
 
-def _generation_backend(cfg: GRPOConfig, run: RunInfo) -> GenerationBackend:
+def _generation_backend(cfg: RunConfig, run: RunInfo) -> GenerationBackend:
     from rl.backends import registry
 
     gen = _BACKENDS.get((run.run_id, "generation"))
@@ -143,14 +143,14 @@ def _generation_backend(cfg: GRPOConfig, run: RunInfo) -> GenerationBackend:
     return gen
 
 
-def shares_trainer_gpu(cfg: GRPOConfig, run: RunInfo) -> bool:
+def shares_trainer_gpu(cfg: RunConfig, run: RunInfo) -> bool:
     """Whether this process's generation engine shares its device with a trainer in the same process: a local run
     (one process for every task), or steps run together in one task (``resources.steps_per_task`` > 1); not a
     cluster's rollout pod, which holds its GPU alone."""
     return not run.cold_tasks or cfg.resources.steps_per_task > 1
 
 
-def collector(cfg: GRPOConfig, run: RunInfo) -> TrajectoryCollector | None:
+def collector(cfg: RunConfig, run: RunInfo) -> TrajectoryCollector | None:
     """The run's background trajectory collector in this process, started on first use (async GRPO in a local run).
 
     None where the rollout task generates its batch itself: tasks run cold (a cluster, where the DAG overlaps the
@@ -205,7 +205,7 @@ def generation_exclusive(run: RunInfo) -> Iterator[None]:
         found.resume_after_refit()
 
 
-def policy(cfg: GRPOConfig, run: RunInfo, version: PolicyVersion | None = None, *, training: bool = False) -> PolicyBackend:
+def policy(cfg: RunConfig, run: RunInfo, version: PolicyVersion | None = None, *, training: bool = False) -> PolicyBackend:
     """The run's policy back-end; with ``version``, holding those weights (and, with ``training``, their optimizer
     state). Without ``version`` it may hold none: enough for reference-policy logprobs.
 

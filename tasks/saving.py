@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from rl.backends.interfaces import PolicyBackend
-from rl.config import GRPOConfig
+from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo
 
 
-def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     return step % cfg.checkpointing.checkpoint_period == 0 or step == cfg.grpo.max_num_steps
 
 
-def saves_trainer_state(cfg: GRPOConfig, run: RunInfo, step: int) -> bool:
+def saves_trainer_state(cfg: RunConfig, run: RunInfo, step: int) -> bool:
     """Whether :func:`save_policy` saves the trainer state (optimizer, scheduler, RNG) with the weights of ``step``."""
     return checkpoint_due(cfg, step) or run.cold_tasks
 
 
-def serving_dtype(cfg: GRPOConfig, run: RunInfo) -> str | None:
+def serving_dtype(cfg: RunConfig, run: RunInfo) -> str | None:
     """The dtype of the weights copy a save adds for the next step's generation pod (``rl.checkpoint.save``'s
     ``serving_dtype``): ``bfloat16`` where tasks run cold (each its own pod, loading from storage) and rollouts run on
     GPUs (``resources.rollout.gpu`` >= 1) at a precision that resolves to bfloat16 there (``auto`` or ``bfloat16``);
@@ -28,7 +28,7 @@ def serving_dtype(cfg: GRPOConfig, run: RunInfo) -> str | None:
     return "bfloat16" if cfg.model.precision in ("auto", "bfloat16") else None
 
 
-def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, started_from: PolicyVersion) -> PolicyVersion:
+def save_policy(cfg: RunConfig, run: RunInfo, backend: PolicyBackend, *, started_from: PolicyVersion) -> PolicyVersion:
     """Save the weights of ``backend.weight_version``: with trainer state under ``checkpoints/`` when due (keeping the
     newest ``keep_last_k``), otherwise under ``weights/`` (keeping the newest one), with the trainer state too when
     tasks run cold (``run.cold_tasks``: the next step's train task is another process and finds it there). The policy the
@@ -63,7 +63,7 @@ def save_policy(cfg: GRPOConfig, run: RunInfo, backend: PolicyBackend, *, starte
     return PolicyVersion(step=step, path=url)
 
 
-def policy_url(cfg: GRPOConfig, run: RunInfo, step: int) -> str:
+def policy_url(cfg: RunConfig, run: RunInfo, step: int) -> str:
     """Where :func:`save_policy` puts the policy of ``step`` (``checkpoints/`` when due, else ``weights/``)."""
     from dataplane import paths
 
@@ -71,7 +71,7 @@ def policy_url(cfg: GRPOConfig, run: RunInfo, step: int) -> str:
     return paths.checkpoint_dir(root, run.run_id, step) if checkpoint_due(cfg, step) else paths.weights_step_dir(root, run.run_id, step)
 
 
-def saved_version(cfg: GRPOConfig, run: RunInfo, step: int) -> PolicyVersion | None:
+def saved_version(cfg: RunConfig, run: RunInfo, step: int) -> PolicyVersion | None:
     """The policy of ``step`` where :func:`save_policy` puts it, if that save completed; else None."""
     from rl import checkpoint
 
@@ -79,7 +79,7 @@ def saved_version(cfg: GRPOConfig, run: RunInfo, step: int) -> PolicyVersion | N
     return PolicyVersion(step=step, path=url) if checkpoint.is_complete(url, cfg.dataplane.storage_options) else None
 
 
-def prune_finished(cfg: GRPOConfig, run: RunInfo) -> None:
+def prune_finished(cfg: RunConfig, run: RunInfo) -> None:
     """At the end of a run: the newest ``keep_last_k`` checkpoints only, no weights-only folders."""
     from dataplane import paths
     from rl import checkpoint

@@ -7,15 +7,15 @@ import uuid
 
 from flytekit import current_context, task
 
-from rl.config import GRPOConfig
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
+from tasks.run_config import RunConfig
 from tasks.types import RunInfo
 
 
 @task(retries=2, **declared("cpu"))
 @transient_errors_retried
-def start_run(cfg: GRPOConfig) -> RunInfo:
+def start_run(cfg: RunConfig) -> RunInfo:
     """Resolve (and convert once) the model, validate the dataset, publish the model to the run's storage (a
     remote execution: :func:`run_model`), create the MLflow run with the flattened config as params, and return the
     run's handle."""
@@ -72,7 +72,7 @@ def start_run(cfg: GRPOConfig) -> RunInfo:
     )
 
 
-def run_model(cfg: GRPOConfig, *, local: bool) -> str:
+def run_model(cfg: RunConfig, *, local: bool) -> str:
     """``model.name`` as every task of the run can load it: what :attr:`RunInfo.model_path` carries.
 
     A local execution (every task on this machine) gets the local folder or hub id ``model.name`` resolves to
@@ -97,7 +97,7 @@ def run_model(cfg: GRPOConfig, *, local: bool) -> str:
     return _shared(cfg, resolved, folder, local=local)
 
 
-def _resolve(cfg: GRPOConfig) -> tuple[str, str]:
+def _resolve(cfg: RunConfig) -> tuple[str, str]:
     """``(model.name resolved, a local folder or hub id holding it)``: a published model's URL is downloaded into
     this node's model cache."""
     from rl.model import resolve_model
@@ -107,7 +107,7 @@ def _resolve(cfg: GRPOConfig) -> tuple[str, str]:
     return resolved, materialize(resolved, cfg.dataplane.storage_options)
 
 
-def _shared(cfg: GRPOConfig, resolved: str, folder: str, *, local: bool) -> str:
+def _shared(cfg: RunConfig, resolved: str, folder: str, *, local: bool) -> str:
     import os
 
     from rl.model_store import is_remote, publish
@@ -119,7 +119,7 @@ def _shared(cfg: GRPOConfig, resolved: str, folder: str, *, local: bool) -> str:
     return publish(folder, cfg.dataplane.root, cfg.dataplane.storage_options)
 
 
-def _resume(cfg: GRPOConfig, run_id: str, model_path: str, *, cold_tasks: bool = False) -> RunInfo:
+def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = False) -> RunInfo:
     """Pick up ``run_id`` at its newest complete checkpoint with trainer state whose files verify against its
     manifest (:func:`rl.checkpoint.verify`; remote files are hashed as they stream).
 

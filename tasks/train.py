@@ -21,10 +21,10 @@ from typing import Any
 from flytekit import task
 
 from dataplane.meta import KVBatchMeta
-from rl.config import GRPOConfig
 from tasks.data_parallel import DataParallel, fault_drill
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
+from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo
 
 DONE_METRIC = "timing/train/checkpointing"
@@ -35,7 +35,7 @@ DONE_METRIC = "timing/train/checkpointing"
 @task(retries=2, task_config=DataParallel(), **declared("train"))
 @transient_errors_retried
 def train(
-    cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, batch: KVBatchMeta, prev: KVBatchMeta, ref: KVBatchMeta
+    cfg: RunConfig, run: RunInfo, policy: PolicyVersion, batch: KVBatchMeta, prev: KVBatchMeta, ref: KVBatchMeta
 ) -> PolicyVersion:
     """Train on ``DP_TRAIN_FIELDS`` of the step (``batch`` carries advantages; ``prev``/``ref`` carry the
     logprob deltas and timings) and return the policy after this step.
@@ -50,7 +50,7 @@ def train(
         return _train(cfg, run, policy, batch.join(prev, ref), since)
 
 
-def _train(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta, since: float) -> PolicyVersion:
+def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta, since: float) -> PolicyVersion:
     from dataplane import fields as F
     from rl import distributed
     from rl.seeding import seed_all, step_seed
@@ -127,7 +127,7 @@ def _step_metrics(meta: KVBatchMeta, metrics: dict[str, float], ready: dict[str,
     return out
 
 
-def _clear_partitions(cfg: GRPOConfig, dp: Any, step: int) -> None:
+def _clear_partitions(cfg: RunConfig, dp: Any, step: int) -> None:
     """Clear the step's partition; async (a > 0), keep those a resume from the newest checkpoint needs and clear them
     at the next checkpoint (``rl.async_grpo.partitions_to_clear``)."""
     from dataplane import paths
@@ -139,7 +139,7 @@ def _clear_partitions(cfg: GRPOConfig, dp: Any, step: int) -> None:
         dp.clear(paths.step_partition(done))
 
 
-def _finished_attempt(cfg: GRPOConfig, run: RunInfo, step: int) -> PolicyVersion | None:
+def _finished_attempt(cfg: RunConfig, run: RunInfo, step: int) -> PolicyVersion | None:
     """The policy of ``step`` if an earlier attempt of this task finished its work: saved it completely, logged the
     step's metrics to the last (:data:`DONE_METRIC`, logged after the save; all of this happens before the clear),
     and left what the next step needs (the trainer state on storage, or the live trainer of this process at that

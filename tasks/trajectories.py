@@ -17,11 +17,11 @@ import torch
 from dataplane.meta import KVBatchMeta
 from rl.async_grpo import ReplayBuffer, Trajectories, generation_version, target_steps, trajectory_age
 from rl.backends.interfaces import GenerationBackend, PolicyVersion
-from rl.config import GRPOConfig
+from tasks.run_config import RunConfig
 from tasks.types import RunInfo
 
 
-def generate_batch(cfg: GRPOConfig, run: RunInfo, generator: GenerationBackend, step: int) -> KVBatchMeta:
+def generate_batch(cfg: RunConfig, run: RunInfo, generator: GenerationBackend, step: int) -> KVBatchMeta:
     """Generate, score and write the B groups of ``step`` with the weights ``generator`` holds (its
     ``weight_version`` is recorded per sample), then seal the partition so that a later process finds it.
 
@@ -50,7 +50,7 @@ def generate_batch(cfg: GRPOConfig, run: RunInfo, generator: GenerationBackend, 
     return meta
 
 
-def buffered_batch(cfg: GRPOConfig, run: RunInfo, step: int) -> KVBatchMeta | None:
+def buffered_batch(cfg: RunConfig, run: RunInfo, step: int) -> KVBatchMeta | None:
     """``step``'s sealed batch if the data plane holds one young enough for the age bound (a resumed run finds the
     batches generated before it stopped); a batch too old for the bound is evicted (cleared). None: none usable."""
     from dataplane import paths
@@ -92,7 +92,7 @@ class TrajectoryCollector:
 
     def __init__(
         self,
-        cfg: GRPOConfig,
+        cfg: RunConfig,
         run: RunInfo,
         generator: GenerationBackend,
         *,

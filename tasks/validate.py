@@ -6,15 +6,15 @@ import time
 
 from flytekit import task
 
-from rl.config import GRPOConfig
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
+from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo
 
 
 @task(retries=2, **declared("rollout"))
 @transient_errors_retried
-def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
+def validate(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> float:
     """Accuracy (share of reward 1) of the policy at ``policy.step`` on ``data.num_val_problems`` questions
     of the validation split; logs ``validation/accuracy``, ``validation/avg_length`` and a sample table."""
     from tasks import runtime
@@ -23,7 +23,7 @@ def validate(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion) -> float:
     return greedy_accuracy(cfg, run, policy, since=since, kind="validation", task="validate")
 
 
-def greedy_accuracy(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, *, since: float, kind: str, task: str) -> float:
+def greedy_accuracy(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, *, since: float, kind: str, task: str) -> float:
     """Greedy completions of ``policy`` on ``data.num_val_problems`` held-out questions, through the partition
     ``{kind}_{step}`` of the run's data plane; logs ``{kind}/accuracy``, ``{kind}/avg_length`` (tokens per
     completion), ``{kind}/reward`` and ``timing/{task}/startup`` at ``policy.step`` in the run's MLflow run, and the

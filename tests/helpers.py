@@ -1,4 +1,4 @@
-"""Helpers shared by the workflow tests."""
+"""Helpers shared by the tests: small run configs, walks over the config tree, workflow runs, batches."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rl.config import config_from_dict
+from tasks.run_config import run_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_config(tmp_path: Path, model: str, **overrides: dict) -> object:
-    """A config for a fast run: local data plane and sqlite MLflow store under ``tmp_path``."""
+    """A run's config (a ``RunConfig``: ``resources`` may be overridden too) for a fast run: local data plane and
+    sqlite MLflow store under ``tmp_path``."""
     base = {
         "model": {"name": model, "precision": "float32"},  # the same arithmetic on every CPU
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "val_period": 2},
@@ -30,7 +31,61 @@ def small_config(tmp_path: Path, model: str, **overrides: dict) -> object:
     }
     for section, values in overrides.items():
         base.setdefault(section, {}).update(values)
-    return config_from_dict(base)
+    return run_config_from_dict(base)
+
+
+def config_leaves(cls: type, prefix: str = "") -> list[tuple[str, object]]:
+    """``(dotted key, annotation)`` of every leaf field of the config tree under the dataclass ``cls``."""
+    import dataclasses
+
+    from rl.config.checks import field_hints
+
+    out: list[tuple[str, object]] = []
+    for name, hint in field_hints(cls).items():
+        out += config_leaves(hint, f"{prefix}{name}.") if dataclasses.is_dataclass(hint) else [(f"{prefix}{name}", hint)]
+    return out
+
+
+def leaf_docs(cls: type, prefix: str = "") -> list[tuple[str, str | None]]:
+    """``(dotted key, attribute docstring or None)`` of every leaf field of the config tree under ``cls``."""
+    import dataclasses
+
+    from rl.config.checks import field_hints
+    from rl.config.descriptions import field_docs
+
+    docs = field_docs(cls)
+    out: list[tuple[str, str | None]] = []
+    for name, hint in field_hints(cls).items():
+        out += leaf_docs(hint, f"{prefix}{name}.") if dataclasses.is_dataclass(hint) else [(f"{prefix}{name}", docs.get(name))]
+    return out
+
+
+def schema_descriptions(cls: type) -> dict[str, tuple[str | None, str]]:
+    """``{dotted key: (description in flytekit's JSON schema of cls, the field's docstring as one line)}`` of every leaf
+    field: what the schema that flytekit attaches to a config input says of each key, against the source."""
+    from flytekit.core.type_engine import TypeEngine
+
+    from rl.config.descriptions import one_line
+
+    schema = TypeEngine.to_literal_type(cls).metadata
+    out = {}
+    for key, doc in leaf_docs(cls):
+        node = schema
+        for part in key.split("."):
+            node = node["properties"][part]
+        out[key] = (node.get("description"), one_line(doc or ""))
+    return out
+
+
+def nested_dict(key: str, value: object) -> dict:
+    """``{"a": {"b": value}}`` for the dotted ``key`` ``a.b``: a config that sets one key."""
+    *path, name = key.split(".")
+    data: dict = {}
+    node = data
+    for part in path:
+        node = node.setdefault(part, {})
+    node[name] = value
+    return data
 
 
 def metric_steps(uri: str, run_id: str, key: str) -> list[int]:
@@ -43,8 +98,8 @@ def _launch(cfg: dict) -> subprocess.Popen:
     """The ``grpo`` workflow on ``cfg`` in a new process, at the default thread count (a run must be exact without
     GRPOFLOW_NUM_THREADS / OMP_NUM_THREADS pinning it to 1)."""
     code = (
-        "import sys; from rl.config import GRPOConfig; from workflows.grpo import grpo; "
-        "grpo(cfg=GRPOConfig.from_json(sys.argv[1]))"
+        "import sys; from tasks.run_config import RunConfig; from workflows.grpo import grpo; "
+        "grpo(cfg=RunConfig.from_json(sys.argv[1]))"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("GRPOFLOW_NUM_THREADS", "OMP_NUM_THREADS")}
     env["FLYTE_LOCAL_CACHE_ENABLED"] = "false"

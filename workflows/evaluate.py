@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from flytekit import workflow
 
-from rl.config import GRPOConfig
 from tasks.evaluate import evaluate as evaluate_checkpoint
 from tasks.evaluate import find_checkpoint
+from tasks.run_config import RunConfig
 
 
 @workflow
-def evaluate(cfg: GRPOConfig = GRPOConfig(), run_id: str = "", checkpoint: str = "") -> float:
+def evaluate(cfg: RunConfig = RunConfig(), run_id: str = "", checkpoint: str = "") -> float:
     """Greedy accuracy (share of correct answers) of a checkpoint on the config's held-out questions.
 
     Args:

@@ -15,7 +15,6 @@ from flytekit import dynamic, task, workflow
 
 from dataplane.meta import KVBatchMeta
 from rl.async_grpo import generation_version
-from rl.config import GRPOConfig
 from tasks.advantages import advantages
 from tasks.config_file import load_config_file
 from tasks.failure import run_failed, run_failed_from_file
@@ -24,6 +23,7 @@ from tasks.logprobs import policy_logprobs, reference_logprobs
 from tasks.placement import declared, placed
 from tasks.retry import transient_errors_retried
 from tasks.rollout import rollout
+from tasks.run_config import RunConfig
 from tasks.setup import start_run
 from tasks.train import train
 from tasks.types import PolicyVersion, RunInfo, RunSummary
@@ -31,7 +31,7 @@ from tasks.validate import validate
 
 
 def grpo_step(
-    cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, step: int, behaviour: PolicyVersion, node: Callable[[Any], Callable[..., Any]] | None = None
+    cfg: RunConfig, run: RunInfo, policy: PolicyVersion, step: int, behaviour: PolicyVersion, node: Callable[[Any], Callable[..., Any]] | None = None
 ) -> PolicyVersion:
     """One GRPO step: the policy after ``step - 1`` updates -> the policy after ``step``, trained on completions
     sampled from ``behaviour``: ``policy`` itself when synchronous, an older policy when async. ``node(task)`` is how
@@ -49,19 +49,19 @@ def grpo_step(
     return node(train)(cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
 
 
-def _nodes(cfg: GRPOConfig, prefix: str) -> Callable[[Any], Callable[..., Any]]:
+def _nodes(cfg: RunConfig, prefix: str) -> Callable[[Any], Callable[..., Any]]:
     """``node(task)``: ``task`` placed on the image and resources of ``cfg.resources`` and named
     ``{prefix}-{task}`` in the console (see ``tasks/placement.py``)."""
     return lambda task: placed(cfg, task, node_name=f"{prefix}-{task.name.rsplit('.', 1)[-1].replace('_', '-')}")
 
 
-def _validation_due(cfg: GRPOConfig, step: int) -> bool:
+def _validation_due(cfg: RunConfig, step: int) -> bool:
     period = cfg.grpo.val_period
     return period > 0 and (step % period == 0 or step == cfg.grpo.max_num_steps)
 
 
 @dynamic(**declared("cpu"))
-def training_loop(cfg: GRPOConfig, run: RunInfo) -> RunSummary:
+def training_loop(cfg: RunConfig, run: RunInfo) -> RunSummary:
     """Unroll steps ``start_step+1 .. max_num_steps``, validating every ``val_period``.
 
     Async GRPO (``grpo.max_trajectory_age_steps`` = a > 0): the rollout of step k takes the policy after step
@@ -73,7 +73,7 @@ def training_loop(cfg: GRPOConfig, run: RunInfo) -> RunSummary:
     if cfg.grpo.val_at_start and run.start_step == 0:
         accuracy = _nodes(cfg, "step-0")(validate)(cfg=cfg, run=run, policy=policy)
     k = cfg.resources.steps_per_task
-    if k > 1:  # one node per k steps, back-ends warm inside it (synchronous GRPO only: rl.config checks)
+    if k > 1:  # one node per k steps, back-ends warm inside it (synchronous GRPO only: tasks.run_config checks)
         for first in range(run.start_step + 1, cfg.grpo.max_num_steps + 1, k):
             last = min(first + k - 1, cfg.grpo.max_num_steps)
             policy, accuracy = _nodes(cfg, f"steps-{first}-{last}")(grpo_steps)(cfg=cfg, run=run, policy=policy, first=first, last=last, accuracy=accuracy)
@@ -88,7 +88,7 @@ def training_loop(cfg: GRPOConfig, run: RunInfo) -> RunSummary:
 
 @task(retries=2, **declared("train"))
 @transient_errors_retried
-def grpo_steps(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, first: int, last: int, accuracy: float) -> tuple[PolicyVersion, float]:
+def grpo_steps(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, first: int, last: int, accuracy: float) -> tuple[PolicyVersion, float]:
     """Steps ``first .. last`` of synchronous GRPO in this one task (``resources.steps_per_task``): each step's tasks
     run as plain calls in this process, so the generation and policy back-ends stay warm from step to step (the
     generator refits from the live trainer), as under the local executor.
@@ -119,7 +119,7 @@ def grpo_steps(cfg: GRPOConfig, run: RunInfo, policy: PolicyVersion, first: int,
     return policy, accuracy
 
 
-def _finished_steps(cfg: GRPOConfig, run: RunInfo, first: int, last: int) -> tuple[int, PolicyVersion, float | None] | None:
+def _finished_steps(cfg: RunConfig, run: RunInfo, first: int, last: int) -> tuple[int, PolicyVersion, float | None] | None:
     """The newest step of ``first .. last`` an earlier attempt of :func:`grpo_steps` finished (its policy saved with
     the trainer state, its metrics logged), that policy, and the newest validation accuracy logged up to it (None:
     none in the range); None when no step qualifies."""
@@ -140,7 +140,7 @@ def _finished_steps(cfg: GRPOConfig, run: RunInfo, first: int, last: int) -> tup
 
 
 @workflow(on_failure=run_failed)  # a failed run's MLflow run is marked FAILED (tasks/failure.py)
-def grpo(cfg: GRPOConfig = GRPOConfig()) -> RunSummary:
+def grpo(cfg: RunConfig = RunConfig()) -> RunSummary:
     """Train a policy with GRPO.
 
     Args:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from flytekit import CronSchedule, Email, LaunchPlan, WorkflowExecutionPhase
 
-from rl.config import GRPOConfig, load_config
+from tasks.run_config import RunConfig, load_run_config
 from workflows.evaluate import evaluate
 from workflows.grpo import grpo
 
@@ -33,7 +33,7 @@ def _local(url: str) -> bool:
     return "://" not in url or url.startswith(("file:", "sqlite:"))
 
 
-def for_cluster(cfg: GRPOConfig) -> GRPOConfig:
+def for_cluster(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the cluster's locations: ``GRPOFLOW_DATAPLANE_ROOT`` and ``MLFLOW_TRACKING_URI`` when set, and
     in any case no local data plane (each pod has its own disk) or local MLflow store."""
     dp, tr = cfg.dataplane, cfg.tracking
@@ -57,7 +57,7 @@ CONFIG_LAUNCH_PLANS = {
     path.stem: LaunchPlan.get_or_create(
         workflow=grpo,
         name=launch_plan_name(path.stem),
-        default_inputs={"cfg": for_cluster(load_config(str(path)))},
+        default_inputs={"cfg": for_cluster(load_run_config(str(path)))},
         notifications=notifications(),
     )
     for path in sorted(CONFIGS.glob("*.yaml"))
@@ -67,7 +67,7 @@ CONFIG_LAUNCH_PLANS = {
 evaluate_newest = LaunchPlan.get_or_create(
     workflow=evaluate,
     name="evaluate_newest",
-    default_inputs={"cfg": for_cluster(load_config(str(CONFIGS / "cluster.yaml")))},
+    default_inputs={"cfg": for_cluster(load_run_config(str(CONFIGS / "cluster.yaml")))},
     schedule=CronSchedule(schedule=os.environ.get("GRPOFLOW_EVAL_SCHEDULE", "0 */6 * * *")),
     notifications=notifications(),
 )

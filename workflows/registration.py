@@ -116,11 +116,11 @@ def checked_steps(cfg: Any) -> Any:
 
 def shipped_configs() -> dict[str, Any]:
     """``configs/*.yaml`` by file stem, plus the default config as ``default``."""
-    from rl.config import GRPOConfig, load_config
+    from tasks.run_config import RunConfig, load_run_config
 
-    out = {"default": GRPOConfig()}
+    out = {"default": RunConfig()}
     for path in sorted((ROOT / "configs").glob("*.yaml")):
-        out[path.stem] = load_config(str(path))
+        out[path.stem] = load_run_config(str(path))
     return out
 
 

@@ -50,7 +50,7 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
     from flytekit.models.admin.workflow import WorkflowSpec
     from flytekit.models.task import TaskSpec
 
-    from rl.config import GRPOConfig
+    from tasks.run_config import RunConfig
     from tasks.types import RunSummary
     from workflows.grpo import grpo
     from workflows.registration import fake_images, serialize, settings
@@ -71,7 +71,7 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
     tasks = {e.template.id.name: e.template for e in entities if isinstance(e, TaskSpec)}
     (spec,) = [e for e in entities if isinstance(e, WorkflowSpec) and e.template.id.name == "workflows.grpo.grpo"]
     ctx = FlyteContextManager.current_context()
-    inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, GRPOConfig, TypeEngine.to_literal_type(GRPOConfig))}
+    inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, RunConfig, TypeEngine.to_literal_type(RunConfig))}
 
     def prepare_home(task: str, home: Path) -> None:  # only start_run's pod has the model on its disk
         if task.endswith(".start_run"):
@@ -159,7 +159,7 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(tmp_path, 
     from flytekit.models.task import TaskSpec
 
     from rl import checkpoint
-    from rl.config import GRPOConfig
+    from tasks.run_config import RunConfig
     from tasks.types import RunSummary
     from workflows.grpo import grpo
     from workflows.registration import fake_images, serialize, settings
@@ -185,7 +185,7 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(tmp_path, 
     tasks = {e.template.id.name: e.template for e in entities if isinstance(e, TaskSpec)}
     (spec,) = [e for e in entities if isinstance(e, WorkflowSpec) and e.template.id.name == "workflows.grpo.grpo"]
     ctx = FlyteContextManager.current_context()
-    inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, GRPOConfig, TypeEngine.to_literal_type(GRPOConfig))}
+    inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, RunConfig, TypeEngine.to_literal_type(RunConfig))}
     pods = Pods(tmp_path / "cluster", execution=f"coldk{random.randrange(1 << 30):x}", env={"GRPOFLOW_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
     summary = TypeEngine.to_python_value(ctx, pods.run_workflow(spec, tasks, inputs)["o0"], RunSummary)
 

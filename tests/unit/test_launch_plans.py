@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import load_config
+from tasks.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -22,13 +22,13 @@ DESCRIBE = r"""
 import json
 from flytekit import FlyteContextManager
 from flytekit.core.type_engine import TypeEngine
-from rl.config import GRPOConfig
+from tasks.run_config import RunConfig
 from workflows import launch_plans as m
 
 def desc(lp):
     ctx = FlyteContextManager.current_context()
     params = lp.parameters.parameters
-    cfg = TypeEngine.to_python_value(ctx, params["cfg"].default, GRPOConfig)
+    cfg = TypeEngine.to_python_value(ctx, params["cfg"].default, RunConfig)
     defaults = {k: p.default.scalar.primitive.string_value for k, p in params.items() if k != "cfg"}
     schedule = lp.schedule
     return {
@@ -89,7 +89,7 @@ def _failure_phases() -> list[int]:
 def _expected_cfg(path: Path, root: str, uri: str, *, env: bool = True) -> dict:
     """The file's config with the environment's locations (``env``), or without them, with a local data plane root
     and a local MLflow store replaced by the defaults."""
-    cfg = load_config(str(path)).to_dict()
+    cfg = load_run_config(str(path)).to_dict()
     if env or "://" not in cfg["dataplane"]["root"] or cfg["dataplane"]["root"].startswith("file:"):
         cfg["dataplane"]["root"] = root
     if env or "://" not in cfg["tracking"]["uri"] or cfg["tracking"]["uri"].startswith(("sqlite:", "file:")):

@@ -14,8 +14,8 @@ from flytekit.models.task import Resources as ResourcesModel
 from images.cpu import cpu_image
 from images.rollout_gpu import rollout_gpu_image
 from images.train_gpu import train_gpu_image
-from rl.config import GRPOConfig, TrainResources, config_from_dict, load_config
 from tasks import placement
+from tasks.run_config import RunConfig, TrainResources, load_run_config, run_config_from_dict
 from workflows import registration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,16 +24,16 @@ STEP_TASKS = ["rollout", "reference-logprobs", "advantages", "train"]
 """The nodes of an on-policy step, in the order the loop creates them."""
 
 
-def _compile(cfg: GRPOConfig, ss=None):
+def _compile(cfg: RunConfig, ss=None):
     """The step loop's nodes for ``cfg`` (images faked), and the image names asked for."""
     with registration.fake_images() as asked:
         spec = registration.step_loop_nodes(cfg, ss if ss is not None else registration.settings())
     return spec, asked
 
 
-def _cluster(steps: int = 2) -> GRPOConfig:
+def _cluster(steps: int = 2) -> RunConfig:
     """configs/cluster.yaml, shortened to ``steps`` steps with validation after the last."""
-    cfg = load_config(str(ROOT / "configs" / "cluster.yaml"))
+    cfg = load_run_config(str(ROOT / "configs" / "cluster.yaml"))
     return dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, max_num_steps=steps, val_period=steps))
 
 
@@ -113,7 +113,7 @@ def test_every_task_has_a_role():
 
 
 def test_overrides_of_a_full_image_reference_outside_a_compilation():
-    cfg = config_from_dict({"resources": {"rollout": {"image": "ghcr.io/acme/x:1", "gpu": 2, "accelerator": "nvidia-l4", "memory": "32Gi"}}})
+    cfg = run_config_from_dict({"resources": {"rollout": {"image": "ghcr.io/acme/x:1", "gpu": 2, "accelerator": "nvidia-l4", "memory": "32Gi"}}})
     out = placement.overrides(cfg, "rollout")
     assert out["requests"] == out["limits"] == Resources(cpu="2", mem="32Gi", gpu=2)
     assert out["accelerator"].to_flyte_idl().device == "nvidia-l4"
@@ -121,7 +121,7 @@ def test_overrides_of_a_full_image_reference_outside_a_compilation():
     assert "shared_memory" not in out
     assert placement.image_reference("default", "train") is None
     assert placement.image_reference("train-gpu", "train") is None  # the class's own image: the task's
-    assert "container_image" not in placement.overrides(GRPOConfig(), "cpu")
+    assert "container_image" not in placement.overrides(RunConfig(), "cpu")
 
 
 # ---------------------------------------------------------------- the compiled step loop
@@ -164,7 +164,7 @@ def test_cluster_config_places_every_node():
 
 
 def test_default_config_is_on_policy_without_policy_logprobs_nodes():
-    cfg = GRPOConfig()
+    cfg = RunConfig()
     assert cfg.on_policy
     spec, _ = _compile(cfg)
     ids = [n.id for n in spec.nodes]
@@ -176,7 +176,7 @@ def test_default_config_is_on_policy_without_policy_logprobs_nodes():
 
 
 def test_off_policy_config_has_a_policy_logprobs_node_per_step():
-    cfg = config_from_dict({"grpo": {"max_num_steps": 2, "val_period": 0}, "optim": {"train_global_batch_size": 32}, "resources": {"train": {"gpu": 2, "memory": "64Gi"}}})
+    cfg = run_config_from_dict({"grpo": {"max_num_steps": 2, "val_period": 0}, "optim": {"train_global_batch_size": 32}, "resources": {"train": {"gpu": 2, "memory": "64Gi"}}})
     assert cfg.samples_per_step == 64 and not cfg.on_policy
     spec, _ = _compile(cfg)
     ids = [n.id for n in spec.nodes]
@@ -191,7 +191,7 @@ def test_off_policy_config_has_a_policy_logprobs_node_per_step():
 
 
 def test_image_reference_goes_on_train_class_nodes_only():
-    cfg = config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 1}, "optim": {"train_global_batch_size": 32}, "resources": {"train": {"image": "ghcr.io/acme/x:1"}}})
+    cfg = run_config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 1}, "optim": {"train_global_batch_size": 32}, "resources": {"train": {"image": "ghcr.io/acme/x:1"}}})
     spec, _ = _compile(cfg)
     images = {n.id: _placement(n)["image"] for n in spec.nodes}
     assert images == {
@@ -221,7 +221,7 @@ def registered_settings():
 
 
 def test_named_image_resolves_to_its_registered_name(registered_settings):
-    cfg = config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "resources": {"train": {"image": "cpu"}, "cpu": {"image": "rollout-gpu"}, "rollout": {"image": "rollout-gpu"}}})
+    cfg = run_config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "resources": {"train": {"image": "cpu"}, "cpu": {"image": "rollout-gpu"}, "rollout": {"image": "rollout-gpu"}}})
     spec, _ = _compile(cfg, registered_settings)
     images = {n.id: _placement(n)["image"] for n in spec.nodes}
     assert cpu_image.image_name().startswith("grpoflow-cpu:")
@@ -235,7 +235,7 @@ def test_named_image_resolves_to_its_registered_name(registered_settings):
 
 
 def test_named_image_unknown_to_the_execution_is_refused():
-    cfg = config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "resources": {"train": {"image": "cpu"}}})
+    cfg = run_config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "resources": {"train": {"image": "cpu"}}})
     ss = registration.settings()  # nothing serialized into it: no ImageSpec is known
     with pytest.raises(ValueError, match=r"config resources.train.image: the 'cpu' image is not known to this execution .* use a full image reference"):
         _compile(cfg, ss)
@@ -259,17 +259,17 @@ def test_named_image_unknown_to_the_execution_is_refused():
 )
 def test_resources_validation(resources, message):
     with pytest.raises(ValueError) as err:
-        config_from_dict({"resources": resources})
+        run_config_from_dict({"resources": resources})
     assert str(err.value).startswith(message)
 
 
 def test_resources_unknown_key_names_its_section():
     with pytest.raises(ValueError, match=r"^config resources.train: unknown keys \['gpus'\]"):
-        config_from_dict({"resources": {"train": {"gpus": 1}}})
+        run_config_from_dict({"resources": {"train": {"gpus": 1}}})
 
 
 def test_resources_valid_values_accepted():
-    cfg = config_from_dict({"resources": {"train": {"gpu": 8, "accelerator": "nvidia-tesla-a100", "cpu": "500m", "memory": "1.5Ti", "shared_memory": "64Gi", "image": "registry.local:5000/grpoflow"}}})
+    cfg = run_config_from_dict({"resources": {"train": {"gpu": 8, "accelerator": "nvidia-tesla-a100", "cpu": "500m", "memory": "1.5Ti", "shared_memory": "64Gi", "image": "registry.local:5000/grpoflow"}}})
     assert (cfg.resources.train.cpu, cfg.resources.train.memory, cfg.resources.train.image) == ("500m", "1.5Ti", "registry.local:5000/grpoflow")
 
 
@@ -278,7 +278,7 @@ def test_model_tasks_of_several_nodes_are_pytorch_jobs_with_the_configs_ranks():
     from tasks.train import train
 
     before = train.task_config, reference_logprobs.task_config
-    cfg = config_from_dict(
+    cfg = run_config_from_dict(
         {"grpo": {"max_num_steps": 1, "val_period": 0}, "policy": {"nnodes": 2, "nproc_per_node": 4}, "resources": {"train": {"gpu": 4}}}
     )
     try:
@@ -296,7 +296,7 @@ def test_model_tasks_of_several_nodes_are_pytorch_jobs_with_the_configs_ranks():
 
 
 def test_model_tasks_of_one_node_stay_plain_pods():
-    spec, _ = _compile(config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 4}}}))
+    spec, _ = _compile(run_config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 4}}}))
     tasks = {t.id.name: t for t in spec.tasks}
     # one node: the ranks are processes of the task's pod, started by the task itself from the config it reads
     assert tasks["tasks.train.train"].type == "python-task"
@@ -304,9 +304,9 @@ def test_model_tasks_of_one_node_stay_plain_pods():
 
 def test_ranks_per_node_need_a_gpu_each():
     with pytest.raises(ValueError, match=r"config policy.nproc_per_node: is 4 but resources.train.gpu is 2; give each rank its own GPU"):
-        config_from_dict({"policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 2}}})
+        run_config_from_dict({"policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 2}}})
     with pytest.raises(ValueError, match=r"config policy.nnodes: is 0; use 1 or more"):
-        config_from_dict({"policy": {"nnodes": 0}})
+        run_config_from_dict({"policy": {"nnodes": 0}})
 
 
 @pytest.mark.parametrize("age", [0, 1, 2])
@@ -314,7 +314,7 @@ def test_async_rollout_of_step_k_waits_only_for_the_policy_of_step_k_minus_1_min
     """The serialized step loop: each rollout node's ``policy`` input is bound to the train node a steps before the
     step's own input policy (the start policy, a literal, for the first a + 1 steps), and nothing else is upstream of
     it, so on a cluster rollout k runs beside the training of steps k - a .. k - 1."""
-    cfg = config_from_dict({"grpo": {"max_num_steps": 4, "val_period": 0, "max_trajectory_age_steps": age}, "loss": {"use_importance_sampling_correction": age > 0}})
+    cfg = run_config_from_dict({"grpo": {"max_num_steps": 4, "val_period": 0, "max_trajectory_age_steps": age}, "loss": {"use_importance_sampling_correction": age > 0}})
     spec, _ = _compile(cfg)
     nodes = _by_id(spec)
     for k in range(1, 5):

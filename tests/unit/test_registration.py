@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import GRPOConfig, load_config
+from tasks.run_config import RunConfig, load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -39,7 +39,7 @@ LAUNCH_PLANS = WORKFLOWS | {f"grpo_{p.stem.replace('-', '_')}" for p in CONFIGS}
 """Each workflow's default launch plan, one per config, and the scheduled evaluation."""
 
 
-def _expected_nodes(cfg: GRPOConfig) -> int:
+def _expected_nodes(cfg: RunConfig) -> int:
     """Nodes of the step loop of a run from step 0: rollout, reference logprobs, advantages and train per step,
     policy logprobs when off-policy, a validation where due (and at start if asked), and finish_run."""
     n, period = cfg.grpo.max_num_steps, cfg.grpo.val_period
@@ -56,8 +56,8 @@ def _listed(stdout: str, kind: str) -> set[str]:
 
 
 def test_expected_node_counts_match_the_known_configs():
-    assert _expected_nodes(GRPOConfig()) == 18  # 4 steps x 4, validation at step 4, finish
-    assert _expected_nodes(load_config(str(ROOT / "configs" / "cluster.yaml"))) == 411  # 100 x 4 + 10 + 1
+    assert _expected_nodes(RunConfig()) == 18  # 4 steps x 4, validation at step 4, finish
+    assert _expected_nodes(load_run_config(str(ROOT / "configs" / "cluster.yaml"))) == 411  # 100 x 4 + 10 + 1
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def project_entities(monkeypatch):
 def test_main_in_process_with_one_config(project_entities, monkeypatch, tmp_path, capsys):
     from workflows import registration
 
-    quick = load_config(str(ROOT / "configs" / "quick.yaml"))
+    quick = load_run_config(str(ROOT / "configs" / "quick.yaml"))
     monkeypatch.setattr(registration, "shipped_configs", lambda: {"quick": quick})
     assert registration.main(["--out", str(tmp_path / "pb")]) == 0
     out = capsys.readouterr().out
@@ -92,7 +92,7 @@ def test_a_compile_error_of_a_config_fails_the_check(project_entities, monkeypat
     from tasks import placement
     from workflows import registration
 
-    monkeypatch.setattr(registration, "shipped_configs", lambda: {"quick": load_config(str(ROOT / "configs" / "quick.yaml"))})
+    monkeypatch.setattr(registration, "shipped_configs", lambda: {"quick": load_run_config(str(ROOT / "configs" / "quick.yaml"))})
     monkeypatch.delitem(placement.ROLE, "advantages")
     assert registration.main([]) == 1
     captured = capsys.readouterr()
@@ -148,7 +148,7 @@ def test_registration_module_serializes_every_entity_and_compiles_every_config(t
     assert _listed(stdout, "task") == TASKS
     assert _listed(stdout, "workflow") == WORKFLOWS
     assert _listed(stdout, "launch plan") == LAUNCH_PLANS
-    configs = {"default": GRPOConfig(), **{p.stem: load_config(str(p)) for p in CONFIGS}}
+    configs = {"default": RunConfig(), **{p.stem: load_run_config(str(p)) for p in CONFIGS}}
     for name, cfg in configs.items():
         expected = _expected_nodes(checked_steps(cfg))
         assert re.search(rf"^step loop of config '{re.escape(name)}' \(first steps\): {expected} nodes, \d+ tasks$", stdout, flags=re.M), name

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from rl.config import GRPOConfig, config_from_dict, load_config
+from tests.helpers import config_leaves, leaf_docs, nested_dict, schema_descriptions
 
 
 def test_defaults_are_valid_and_json_safe():
@@ -128,31 +129,11 @@ def test_wrong_types_are_refused_naming_their_key(section, values, match):
         config_from_dict({section: values})
 
 
-def _sections(cls, prefix=""):
-    """(dotted key, annotation) of every leaf field of the config tree."""
-    import dataclasses
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            yield from _sections(hint, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", hint
-
-
-@pytest.mark.parametrize(("key", "hint"), list(_sections(GRPOConfig)))
+@pytest.mark.parametrize(("key", "hint"), config_leaves(GRPOConfig))
 def test_every_field_is_type_checked(key, hint):
     """A generic check, so that a field added later cannot skip it: a list fits no field's type."""
-    *path, name = key.split(".")
-    data: dict = {}
-    node = data
-    for part in path:
-        node = node.setdefault(part, {})
-    node[name] = [1]
     with pytest.raises(ValueError, match=rf"^config {key}: expected "):
-        config_from_dict(data)
+        config_from_dict(nested_dict(key, [1]))
 
 
 def test_sections_built_directly_are_checked_too():
@@ -428,32 +409,14 @@ def test_load_config_reads_s3_with_the_flyte_environment(s3_server, monkeypatch)
 # ---------------------------------------------------------------- descriptions: Flyte's schema, docs/config.md
 
 
-def _leaf_docs(cls, prefix=""):
-    """(dotted key, attribute docstring or None) of every leaf field of the config tree."""
-    import dataclasses
-
-    from rl.config_check import field_docs, field_hints
-
-    docs = field_docs(cls)
-    for name, hint in field_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            yield from _leaf_docs(hint, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", docs.get(name)
-
-
 def test_every_leaf_field_has_a_docstring():
-    missing = [key for key, doc in _leaf_docs(GRPOConfig) if not doc]
+    missing = [key for key, doc in leaf_docs(GRPOConfig) if not doc]
     assert missing == [], f"document these fields with a string right under them: {missing}"
 
 
-def test_field_docs_are_read_from_the_class_that_declares_the_field():
-    from rl.config import CPUResources, RolloutResources, TrainResources
-    from rl.config_check import class_doc, field_docs
+def test_the_root_has_no_docstring_of_its_own():
+    from rl.config.descriptions import class_doc
 
-    assert field_docs(TrainResources)["memory"] == "Memory request and limit, a Kubernetes quantity (``16Gi``, ``256Gi``)."
-    assert field_docs(RolloutResources)["memory"] == "Memory request and limit, a Kubernetes quantity (``8Gi``, ``64Gi``)."
-    assert field_docs(CPUResources)["gpu"] == "GPUs per task (``nvidia.com/gpu``); 0 runs on CPU."  # inherited
     assert class_doc(GRPOConfig) is None  # no docstring written: not the signature @dataclass makes up
 
 
@@ -463,17 +426,9 @@ def test_flyte_schema_describes_every_field():
     field's docstring as ``description``."""
     from flytekit.core.type_engine import TypeEngine
 
-    from rl.config_check import one_line
-
     schema = TypeEngine.to_literal_type(GRPOConfig).metadata
     assert schema["properties"]["optim"]["properties"]["lr"] == {"type": "number", "description": "AdamW learning rate after warmup.", "default": 1e-5}
-    train_memory = schema["properties"]["resources"]["properties"]["train"]["properties"]["memory"]
-    assert train_memory["description"] == "Memory request and limit, a Kubernetes quantity (`16Gi`, `256Gi`)."
-    for key, doc in _leaf_docs(GRPOConfig):
-        node = schema
-        for part in key.split("."):
-            node = node["properties"][part]
-        assert node["description"] == one_line(doc), key
+    assert {key: schema for key, (schema, doc) in schema_descriptions(GRPOConfig).items() if schema != doc} == {}
 
 
 def test_config_reference_is_up_to_date():
@@ -485,7 +440,7 @@ def test_config_reference_is_up_to_date():
     render = runpy.run_path(str(root / "scripts" / "config_reference.py"))["render"]
     text = render()
     assert (root / "docs" / "config.md").read_text() == text, "docs/config.md is stale: run python scripts/config_reference.py"
-    for key, _ in _leaf_docs(GRPOConfig):
+    for key, _ in leaf_docs(GRPOConfig):
         assert f"| `{key}` |" in text
     assert "| `optim.lr` | number | `1e-05` | AdamW learning rate after warmup. |" in text
     assert "| `grpo.advantage_clip` | number or null | `null` |" in text
@@ -507,18 +462,3 @@ def test_load_config_keeps_a_dropped_connection_transient(tmp_path):
     with pytest.raises(ValueError, match="does not exist") as missing:
         load_config(str(tmp_path / "nope.yaml"))
     assert not is_transient(missing.value)
-
-
-@pytest.mark.parametrize(
-    ("data", "match"),
-    [
-        ({"resources": {"steps_per_task": 0}}, r"resources.steps_per_task: is 0; use 1 \(a node per task\)"),
-        ({"resources": {"steps_per_task": 2}, "grpo": {"max_trajectory_age_steps": 1}, "loss": {"use_importance_sampling_correction": True}}, r"resources.steps_per_task: is 2 with grpo.max_trajectory_age_steps 1; use steps_per_task 1 for async GRPO"),
-        ({"resources": {"steps_per_task": 2, "train": {"gpu": 2}}, "policy": {"nproc_per_node": 2}}, r"is 2 with 2 training processes; use steps_per_task 1 with data- or model-parallel ranks"),
-        ({"resources": {"steps_per_task": 2}, "policy": {"backend": "megatron"}, "generation": {"backend": "vllm"}}, r"no image holds both"),
-    ],
-)
-def test_steps_per_task_refuses_what_one_task_cannot_run(data, match):
-    with pytest.raises(ValueError, match=match):
-        config_from_dict(data)
-    assert config_from_dict({"resources": {"steps_per_task": 4}}).resources.steps_per_task == 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl.config import config_from_dict
+from tasks.run_config import run_config_from_dict
 from tasks.saving import serving_dtype
 from tasks.types import RunInfo
 
@@ -24,7 +24,7 @@ def _run(cold: bool) -> RunInfo:
     ],
 )
 def test_a_bf16_copy_only_where_cold_gpu_rollouts_compute_in_bf16(cold, rollout_gpu, precision, expected):
-    cfg = config_from_dict({"model": {"precision": precision}, "resources": {"rollout": {"gpu": rollout_gpu}}})
+    cfg = run_config_from_dict({"model": {"precision": precision}, "resources": {"rollout": {"gpu": rollout_gpu}}})
     assert serving_dtype(cfg, _run(cold)) == expected
 
 
@@ -32,5 +32,5 @@ def test_a_bf16_copy_only_where_cold_gpu_rollouts_compute_in_bf16(cold, rollout_
 def test_the_generation_engine_shares_its_gpu_with_a_trainer_in_its_process(cold, k, expected):
     from tasks.runtime import shares_trainer_gpu
 
-    cfg = config_from_dict({"resources": {"steps_per_task": k}})
+    cfg = run_config_from_dict({"resources": {"steps_per_task": k}})
     assert shares_trainer_gpu(cfg, _run(cold)) is expected

@@ -1,5 +1,7 @@
-"""Config values checked against their fields' annotations: the right type or a clear error naming the key, never a
-silent coercion. Pure functions, no I/O; `rl.config` uses them in every section's ``__post_init__``.
+"""What every config value goes through: its field's type (the right type or a clear error naming the dotted key,
+never a silent coercion), the error style (``config {where}: {problem}; {fix}``), the dotted names of the sections,
+and the checks that relate one section's values to another's. Pure functions, no I/O; the sections of
+`rl.config.sections` call them in their ``__post_init__``.
 
 flytekit's dataclass transformer decodes a task input with mashumaro, whose decoders coerce silently
 (``bool("no")`` is True, ``int(3.5)`` is 3, ``dict[str, str]`` values become ``str(value)``), and only then calls
@@ -7,25 +9,25 @@ the constructor. `Section.Config` turns that coercion off, so a wrong value that
 from a dict, the console's launch form) is refused there too. A mapping field is annotated as bare ``dict``:
 mashumaro passes its JSON values through untouched, while ``dict[str, Any]`` would make flytekit log a spurious
 "PickleFile" warning whenever a workflow is loaded.
-
-`document_fields` copies each field's attribute docstring (the string right under it) into the field's
-``metadata["description"]``, which mashumaro writes into the JSON schema that flytekit attaches to a config input.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import inspect
 import math
-import re
-import textwrap
 import types
 import typing
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from mashumaro.helper import pass_through
+
+from dataplane.urls import has_userinfo, is_secret_key, redact
+
+if TYPE_CHECKING:
+    from rl.config.sections import GRPOConfig
+
+T = TypeVar("T")
 
 
 def fail(where: str, problem: str, fix: str) -> NoReturn:
@@ -190,13 +192,13 @@ def field_hints(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
 
-def check_fields(obj: Any, section: str) -> None:
-    """Check every field of the config dataclass ``obj`` (the section named ``section``, "" for the root) against its
-    annotation and store the normalized value.
+def check_fields(obj: Any) -> None:
+    """Check every field of the config dataclass ``obj`` against its annotation and store the normalized value.
 
     Raises:
-        ValueError: a field holds a value of the wrong type; the message names its dotted key.
+        ValueError: a field holds a value of the wrong type; the message names its dotted key (`section_name`).
     """
+    section = section_name(type(obj))
     for name, hint in field_hints(type(obj)).items():
         value = getattr(obj, name)
         conformed = conform(value, hint, f"{section}.{name}" if section else name)
@@ -204,70 +206,93 @@ def check_fields(obj: Any, section: str) -> None:
             object.__setattr__(obj, name, conformed)
 
 
-@functools.cache
-def _class_body_docs(cls: type) -> tuple[str | None, dict[str, str]]:
-    """``(class docstring, {field name: attribute docstring})`` of the fields annotated in ``cls``'s own body (not
-    inherited ones), read from its source; ``(None, {})`` where the source is not available (a .pyc-only install)."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return None, {}
-    node = ast.parse(source).body[0]
-    if not isinstance(node, ast.ClassDef):
-        return None, {}
-    docs: dict[str, str] = {}
-    for stmt, after in zip(node.body, node.body[1:]):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
-    return ast.get_docstring(node), docs
+# ---------------------------------------------------------------- sections and their dotted names
+
+_ROOTS: list[type] = []
 
 
-def class_doc(cls: type) -> str | None:
-    """The docstring written in ``cls``'s body (None where it has none: not the signature ``@dataclass`` makes up)."""
-    return _class_body_docs(cls)[0]
+def config_root(cls: type[T]) -> type[T]:
+    """Class decorator of the root dataclass of a config tree: `rl.config.GRPOConfig`, and
+    `tasks.run_config.RunConfig`, which adds the cluster's ``resources`` to it. Error messages name the sections of
+    every registered tree by their dotted path from its root."""
+    _ROOTS.append(cls)
+    _section_names.cache_clear()
+    return cls
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of the dataclass ``cls``'s fields, ``{name: docstring}`` in field order.
+def sections(root: type) -> list[tuple[str, type]]:
+    """``(dotted name, dataclass)`` of every section under the config dataclass ``root``, depth-first in field order
+    (``("generation", GenerationConfig), ("generation.vllm_cfg", VLLMConfig), ...``)."""
+    out: list[tuple[str, type]] = []
 
-    A field's docstring is the string literal right after its annotation in the body of the class that declares it
-    last (a subclass that redeclares ``memory`` documents its own ``memory``). Fields without one are left out.
-    """
-    out: dict[str, str] = {}
-    for f in dataclasses.fields(cls):
-        owner = next((c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {})), None)
-        doc = _class_body_docs(owner)[1].get(f.name) if owner is not None else None
-        if doc:
-            out[f.name] = doc
+    def walk(cls: type, prefix: str) -> None:
+        for name, hint in field_hints(cls).items():
+            if dataclasses.is_dataclass(hint):
+                out.append((f"{prefix}{name}", hint))
+                walk(hint, f"{prefix}{name}.")
+
+    walk(root, "")
     return out
 
 
-def one_line(text: str) -> str:
-    """A docstring as one line of plain text: line breaks and runs of spaces made single spaces, reST's ````x````
-    made ```x```."""
-    return re.sub(r"\s+", " ", text).replace("``", "`").strip()
+@functools.cache
+def _section_names() -> dict[type, str]:
+    out: dict[type, str] = {}
+    for root in _ROOTS:
+        out.setdefault(root, "")
+        for name, cls in sections(root):
+            out.setdefault(cls, name)
+    return out
 
 
-def document_fields(cls: type) -> None:
-    """Put each field's description into its ``metadata["description"]``: its attribute docstring, else (a section
-    field such as ``GRPOConfig.resources``) the docstring of its dataclass, as one line.
+def section_name(cls: type, default: str | None = None) -> str:
+    """The dotted name of the config section ``cls`` (``VLLMConfig`` -> ``generation.vllm_cfg``, a root -> ""), or
+    ``default`` (else the class's name) for a class in no `config_root` tree."""
+    return _section_names().get(cls, cls.__name__ if default is None else default)
 
-    mashumaro's ``build_json_schema`` writes that metadata as the property's ``description``, and flytekit's dataclass
-    transformer puts that schema into the metadata of the input's literal type, which is registered with the
-    workflow (tools that render the schema show it). Fields shared with a base class (an inherited
-    ``dataclasses.Field``) get the same description.
+
+# ---------------------------------------------------------------- credentials
+
+_CREDENTIALS_FIX = (
+    "set them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) "
+    "or a credentials file (~/.aws/credentials, AWS_PROFILE) instead"
+)
+
+
+def refuse_credentials(options: Any, where: str) -> None:
+    """Refuse credential-named keys (``secret``, ``key``, ``token``, ``password``, ``headers``, ...) and URLs with a
+    ``user:password@`` part anywhere in ``options``, nested mappings and lists included."""
+    if isinstance(options, dict):
+        for k, v in options.items():
+            here = f"{where}.{k}"
+            if is_secret_key(str(k)):
+                fail(here, "holds credentials: the config travels in Flyte's task inputs", _CREDENTIALS_FIX)
+            refuse_credentials(v, here)
+    elif isinstance(options, list):
+        for i, v in enumerate(options):
+            refuse_credentials(v, f"{where}[{i}]")
+    elif isinstance(options, str) and has_userinfo(options):
+        fail(where, f"{redact(options)!r} holds a user:password@ part", f"drop it and {_CREDENTIALS_FIX}")
+
+
+# ---------------------------------------------------------------- across sections
+
+
+def check_across_sections(cfg: GRPOConfig) -> None:
+    """The rules that relate one section's values to another's (each section checks its own values when built).
+
+    Raises:
+        ValueError: naming the key to change.
     """
-    docs = field_docs(cls)
-    hints = field_hints(cls)
-    for f in dataclasses.fields(cls):
-        doc = docs.get(f.name)
-        if doc is None and dataclasses.is_dataclass(hints.get(f.name)):
-            doc = class_doc(hints[f.name])
-        if doc and f.metadata.get("description") != one_line(doc):
-            f.metadata = types.MappingProxyType({**f.metadata, "description": one_line(doc)})
+    if cfg.policy.megatron_cfg.context_parallel_size > 1 and not cfg.loss.token_level_loss:
+        fail("loss.token_level_loss", "is false with policy.megatron_cfg.context_parallel_size > 1", "use the token-level loss: each context-parallel rank sees only part of every sequence")
+    if cfg.grpo.max_trajectory_age_steps > 0 and not cfg.loss.use_importance_sampling_correction:
+        fail(
+            "loss.use_importance_sampling_correction",
+            f"is false with grpo.max_trajectory_age_steps {cfg.grpo.max_trajectory_age_steps}",
+            "set it to true: trajectories of older weights need the off-policy correction (or set max_trajectory_age_steps 0)",
+        )
+    n = cfg.samples_per_step
+    gbs = cfg.optim.train_global_batch_size
+    if gbs is not None and n % gbs:
+        fail("optim.train_global_batch_size", f"{gbs} does not divide the step's {n} samples", "use a divisor of num_prompts_per_step * num_generations_per_prompt")

