@@ -100,8 +100,8 @@ def test_a_run_stopped_beside_a_checkpoint_save_loses_no_metric_and_is_marked_fa
     """
     from mlflow.tracking import MlflowClient
 
-    from rl.config import config_from_dict
     from tasks import saving
+    from tasks.run_config import run_config_from_dict
     from tasks.train import DONE_METRIC
     from workflows.grpo import grpo
 
@@ -129,7 +129,7 @@ def test_a_run_stopped_beside_a_checkpoint_save_loses_no_metric_and_is_marked_fa
 
     resumed = cfg.to_dict()
     resumed["checkpointing"]["resume_run_id"] = run_dir.name
-    summary = grpo(cfg=config_from_dict(resumed))
+    summary = grpo(cfg=run_config_from_dict(resumed))
     assert summary.final_step == 2 and summary.mlflow_run_id == run.info.run_id
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
 
