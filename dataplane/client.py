@@ -6,8 +6,10 @@ tensor<->Arrow codec is `dataplane.codec`. Works over any fsspec URL (local fold
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import math
 import re
 import time
 import uuid
@@ -24,7 +26,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dataplane import paths
-from dataplane.errors import DataPlaneError, IntegrityError, retry_transient
+from dataplane.errors import DataPlaneError, IntegrityError, StaleMetaError, retry_transient
 from dataplane.codec import DTYPE_KEY, Layout, column_from_arrow, column_to_arrow, materialize, nested_lengths
 from dataplane.fields import INPUT_LENGTHS, SAMPLE_ID, TOKEN_FIELDS
 from dataplane.meta import GLOBAL_FORWARD_PAD_SEQLEN, KVBatchMeta
@@ -33,7 +35,21 @@ if TYPE_CHECKING:  # tensordict costs ~1.7 s to import: only the model tasks loa
     from tensordict import TensorDict
 
 
-__all__ = ["DataPlane", "DataPlaneError", "DataPlaneWarning", "IntegrityError"]
+__all__ = ["COMMIT_DEADLINE_S", "GC_GRACE_S", "DataPlane", "DataPlaneError", "DataPlaneWarning", "IntegrityError", "StaleMetaError"]
+
+GC_GRACE_S = 3600.0
+"""Default grace period of :meth:`DataPlane.collect_garbage` (s): a data file or temporary object younger than this
+(by its store's clock) is never removed, whether or not a commit record names it yet, so a write in flight (data file
+uploaded, commit record not yet written) is never taken for an orphan. It must exceed :data:`COMMIT_DEADLINE_S` plus
+the commit's own retries (``dataplane.errors.RETRY_DEADLINE_S``, 2 minutes): one hour leaves a factor of 5 over both,
+and a zombie attempt that has not committed an hour after its upload started has missed that deadline and does not
+commit."""
+
+COMMIT_DEADLINE_S = 600.0
+"""Longest time (s) from the start of a write's data-file upload to the start of its commit: a writer that gets
+there later (a process paused or starved, an upload retried for minutes) raises ``TimeoutError`` instead of committing
+(Flyte retries the task; the retry uploads afresh), because a garbage collection may by then count its file as old
+enough to remove. Keep it well under :data:`GC_GRACE_S`."""
 
 _DATA_FILE = re.compile(r"data/[0-9a-f]{32}-[0-9a-f]{8}\.parquet")
 """What a commit record's ``file`` may name: a data file of its own partition."""
@@ -72,7 +88,13 @@ class DataPlane:
     leaves exactly one visible copy; writes of different fields never touch the same object, so concurrent
     writers both land. No write deletes a data file: two attempts of the same write (a retry beside a
     zombie) may both commit, the last record wins, and the file it names is always there. The losers' files
-    are orphans, removed by :meth:`collect_garbage` (and with the partition by :meth:`clear`).
+    are orphans, removed by :meth:`collect_garbage` once older than its grace period (and with the partition by
+    :meth:`clear`); a writer commits within ``COMMIT_DEADLINE_S`` of its upload or not at all, and checks after
+    committing that its file is there, so no collection removes a write that returns.
+
+    A put records its rows' ids and ``input_lengths``; the meta it returns names it (``KVBatchMeta.puts``). Later
+    writes check per-token fields against the stored lengths, and reads and writes under a meta whose rows were put
+    again since (other content) raise ``StaleMetaError``.
 
     Every storage operation retries transient failures (a refused connection, a timeout, throttling) with
     backoff for up to ``dataplane.errors.RETRY_DEADLINE_S``; permanent ones raise at once.
@@ -202,32 +224,91 @@ class DataPlane:
 
         self._io(f"delete {part}", rm)
 
-    def collect_garbage(self) -> dict[str, int]:
-        """Remove what no reader can see: data files that no commit record names (the files of killed writers
-        and of the losing attempts of a write) in every partition of the run, and what interrupted writes left
-        anywhere under the run: commit temps (``*.tmp-*``), checkpoint staging and swapped-out folders
-        (``.step_N.tmp-*``, ``.step_N.old-*``, see ``rl/checkpoint.py``). Call it when no task of the run is writing (``finish_run`` does): a file of a
-        write still in flight would be taken for an orphan.
+    def collect_garbage(self, *, grace_s: float = GC_GRACE_S) -> dict[str, int]:
+        """Remove what no reader can see and no writer can still need: data files that no commit record names (the
+        files of killed writers and of the losing attempts of a write) in every partition of the run, and what
+        interrupted writes left anywhere under the run: commit temps (``*.tmp-*``), checkpoint staging and
+        swapped-out folders (``.step_N.tmp-*``, ``.step_N.old-*``, see ``rl/checkpoint.py``); of these, only objects
+        last modified at least ``grace_s`` seconds ago (a folder: its newest object).
+
+        Safe while tasks of the run write (``finish_run`` calls it while a zombie attempt of a task may still be
+        writing): a write's data file is uploaded before its commit record, so a file that no record names may be a
+        write in flight. The run is listed (with modification times) before the commit records are read, ages are
+        taken on the store's own clock (the modification time of a probe object written first, so a skewed task
+        clock does not matter), and a writer never commits more than :data:`COMMIT_DEADLINE_S` after its upload
+        started: a file at least ``grace_s`` old that no record named when it was listed belongs to no write that can
+        still commit, as long as ``grace_s`` exceeds that deadline. Objects whose store reports no modification time
+        are kept. Orphans younger than ``grace_s`` stay until a later collection; a step's partition goes whole when
+        its train task clears it.
+
+        Args:
+            grace_s: minimum age (s) of what is removed (default :data:`GC_GRACE_S`, one hour). Smaller values are
+                for when no task of the run writes (tests, a manual clean-up); 0 removes every orphan.
 
         Returns:
             ``{"orphan_data_files": n, "temp_files": m}`` removed.
+
+        Raises:
+            ValueError: ``grace_s`` negative or not finite.
         """
+        if not (isinstance(grace_s, (int, float)) and math.isfinite(grace_s) and grace_s >= 0):
+            msg = f"grace_s must be a finite number of seconds >= 0, got {grace_s!r}"
+            raise ValueError(msg)
         run = paths.run_dir(self._root, self.run_id)
         try:
-            listing = self._io(f"list {run}", lambda: self.fs.find(run, withdirs=True))
+            listing = self._io(f"list {run}", lambda: self.fs.find(run, withdirs=True, detail=True))
         except FileNotFoundError:
-            listing = []
-        temps = [p for p in listing if any(m in p.rsplit("/", 1)[-1] for m in _LEFTOVER_MARKS)]
+            listing = {}
+        if not listing:
+            return {"orphan_data_files": 0, "temp_files": 0}
+        now = self._store_now(run)  # after the listing: ages err towards the old side by the listing's duration only
+        unknown: list[str] = []
+
+        def old_enough(paths_: Sequence[str]) -> bool:
+            times = [t for t in (_mtime(listing[p]) for p in paths_) if t is not None]
+            if not times:
+                unknown.append(paths_[0])
+                return False
+            return now - max(times) >= grace_s
+
+        names = sorted(listing)
+        temps = [p for p in names if any(m in p.rsplit("/", 1)[-1] for m in _LEFTOVER_MARKS)]
         temps = [p for p in temps if not any(p.startswith(t + "/") for t in temps)]  # a temp folder goes whole
+        temps = [t for t in temps if old_enough([t, *(p for p in names if p.startswith(t + "/"))])]
         orphans: list[str] = []
-        parts = {p.rsplit("/", 1)[0] for p in listing if p.endswith("/_schema.json")}
-        for part in sorted(parts):
-            snap = self._snapshot(part, part.rsplit("/", 1)[-1], strict=False)
+        parts = {p.rsplit("/", 1)[0] for p in names if p.endswith("/_schema.json")}
+        for part in sorted(parts):  # commit records read after the listing: a file listed and unnamed here stays
+            try:  # unnamed only if its write had not committed when it was listed
+                snap = self._snapshot(part, part.rsplit("/", 1)[-1], strict=False)
+            except DataPlaneError:  # cleared since the listing: nothing of it to keep
+                continue
             named = {paths.join(part, c["file"]) for c in snap.commits}
-            orphans += [p for p in listing if p.startswith(part + "/data/") and p.endswith(".parquet") and p not in named]
+            candidates = [p for p in names if p.startswith(part + "/data/") and p.endswith(".parquet") and p not in named]
+            orphans += [p for p in candidates if old_enough([p])]
+        if unknown:
+            warnings.warn(
+                f"data plane: collect_garbage kept {len(unknown)} objects whose store reports no modification time "
+                f"(e.g. {unknown[0]}): their age is unknown; remove them by hand once no task of run {self.run_id!r} writes",
+                DataPlaneWarning,
+                stacklevel=2,
+            )
         for path in [*orphans, *temps]:
             self._io(f"delete {path}", lambda path=path: _rm_quiet(self.fs, path))
         return {"orphan_data_files": len(orphans), "temp_files": len(temps)}
+
+    def _store_now(self, run: str) -> float:
+        """The store's current time (s since the epoch): the modification time of a probe object written under
+        ``run`` (and removed); this process's clock where the store reports none."""
+        probe = paths.join(run, f".gc-clock.tmp-{uuid.uuid4().hex}")  # a leftover (killed here) is a temp like any
+        try:
+            self._io(f"write {probe}", lambda: self.fs.pipe_file(probe, b""))
+            try:
+                stamp = _mtime(self._io(f"check {probe}", lambda: self.fs.info(probe)))
+            except FileNotFoundError:  # removed by a collection beside this one (grace 0)
+                stamp = None
+        finally:
+            self._io(f"delete {probe}", lambda: _rm_quiet(self.fs, probe))
+        return time.time() if stamp is None else stamp
 
     # ---------------------------------------------------------------- writes
     def put(
@@ -255,12 +336,19 @@ class DataPlane:
             task_name: tag carried by the returned meta.
             id_key: makes the ids deterministic (see above); unique per put within a partition.
 
+        The put record keeps the rows' ids and, if ``input_lengths`` is written, their lengths: every later write of
+        a per-token field is checked against those, never against a meta's copy.
+
         Returns:
-            a meta naming the new rows, with ``fields`` and, if ``input_lengths`` was written,
-            ``sequence_lengths``.
+            a meta naming the new rows, with ``fields``, ``puts`` (this put, by write id and data-file checksum: see
+            ``KVBatchMeta.puts``) and, if ``input_lengths`` was written, ``sequence_lengths``.
 
         Raises:
             ValueError: N not a multiple of ``group_size``, or a column that does not match the schema.
+            TimeoutError: more than ``COMMIT_DEADLINE_S`` passed between the upload's start and the commit; nothing
+                was committed (transient: retry).
+            IntegrityError: the data file was removed after the commit and again after a second upload (a garbage
+                collection with too short a grace period beside the writer); the write is lost.
         """
         n = _num_rows(columns)
         if group_size < 1 or n % group_size:
@@ -287,16 +375,22 @@ class DataPlane:
     ) -> KVBatchMeta:
         """Delta write: add ``columns`` under the existing ids of ``meta`` (one row per id, same order).
 
-        Everything is checked before anything is written: the ids were put in this partition, row counts,
-        registered fields and dtypes, per-token fields jagged with the rows' lengths (``meta.sequence_lengths``,
-        else the partition's ``input_lengths``), and each field's Arrow type against its earlier writes.
+        Everything is checked before anything is written: the ids were put in this partition (by the put that
+        ``meta.puts`` names, if it names one), row counts, registered fields and dtypes, per-token fields jagged with
+        the rows' lengths as stored by their put (the partition's ``input_lengths``; ``meta.sequence_lengths`` only
+        where the partition has none, and a meta whose ``sequence_lengths`` differ from the stored ones is refused),
+        and each field's Arrow type against its earlier writes. A delta write of ``input_lengths`` itself must repeat
+        the stored values.
 
         Returns:
             ``meta`` with the written fields added to ``fields``.
 
         Raises:
-            ValueError: unknown sample ids, a row count, dtype, shape or length mismatch, or an unregistered field.
+            ValueError: unknown sample ids, a row count, dtype, shape or length mismatch, an unregistered field, or
+                ``meta.sequence_lengths`` that differ from the stored ``input_lengths`` (an altered meta).
+            StaleMetaError: (a ``DataPlaneError``) rows of ``meta`` were put again, with other content, since.
             DataPlaneError: the partition does not exist.
+            TimeoutError, IntegrityError: as for :meth:`put`.
         """
         return self._write(meta, columns, task_name=task_name, is_put=False)
 
@@ -306,11 +400,20 @@ class DataPlane:
             raise ValueError(msg)
         part = self._part(meta.partition_id)
         snap = self._snapshot(part, meta.partition_id)
-        if not is_put:
+        if is_put:
+            lengths = meta.sequence_lengths  # the put's own input_lengths column, if it writes one
+        else:
             self._check_put(snap, meta)
-        lengths = meta.sequence_lengths
-        if lengths is None and not is_put and any(name in TOKEN_FIELDS for name in columns):
-            lengths = [int(x) for x in self._read_snapshot(snap, meta, [INPUT_LENGTHS])[INPUT_LENGTHS]]
+            lengths = self._stored_lengths(snap, meta, writes_tokens=any(name in TOKEN_FIELDS for name in columns))
+            if INPUT_LENGTHS in columns and lengths is not None:
+                given = [int(x) for x in columns[INPUT_LENGTHS]]
+                if given != lengths:
+                    bad = [i for i, (a, b) in enumerate(zip(given, lengths)) if a != b]
+                    msg = (
+                        f"partition {meta.partition_id!r}, field {INPUT_LENGTHS!r}: rows {bad[:5]} differ from the lengths "
+                        "the put stored; the rows' per-token fields are aligned with those: put the rows again instead"
+                    )
+                    raise ValueError(msg)
         n = meta.size()
         arrow_fields = [pa.field(SAMPLE_ID, pa.large_string(), nullable=False)]
         arrays: list[pa.Array] = [pa.array(meta.sample_ids, type=pa.large_string())]
@@ -331,12 +434,14 @@ class DataPlane:
                 self.fs.makedirs(data.rsplit("/", 1)[0], exist_ok=True)
             self.fs.pipe_file(data, memoryview(blob) if self._local else blob.to_pybytes())
 
+        started = time.monotonic()  # before the upload: a store dates an object no earlier than its upload's start
         self._io(f"write {data}", upload)
+        crc32 = _checksum(memoryview(blob))
         record = {
             "write_id": write_id,
             "file": f"data/{file_name}.parquet",
             "size": blob.size,
-            "crc32": _checksum(memoryview(blob)),
+            "crc32": crc32,
             "fields": {name: snap.fields[name] for name in columns},
             "arrow_types": {f.name: str(f.type) for f in arrow_fields[1:]},
             "num_rows": n,
@@ -345,7 +450,18 @@ class DataPlane:
         }
         if is_put:
             record["sample_ids"] = list(meta.sample_ids)
+            if INPUT_LENGTHS in columns:  # what later writes of per-token fields are checked against
+                record["input_lengths"] = [int(x) for x in lengths]  # type: ignore[union-attr]
+        elapsed = time.monotonic() - started
+        if elapsed > COMMIT_DEADLINE_S:  # a collection may count the file as old enough to remove by now
+            msg = (
+                f"data plane write {write_id} of {sorted(columns)} to partition {meta.partition_id!r}: {elapsed:.0f} s "
+                f"since its upload started, over COMMIT_DEADLINE_S = {COMMIT_DEADLINE_S:.0f} s (was the process paused?); "
+                "not committed, since a garbage collection may have removed its data file: retry the write"
+            )
+            raise TimeoutError(msg)
         self._put_atomic(paths.commit_path(part, write_id), json.dumps(record).encode())
+        self._check_landed(data, upload, write_id, sorted(columns))
         written = list(dict.fromkeys([*(meta.fields or []), *columns]))
         return KVBatchMeta(
             partition_id=meta.partition_id,
@@ -355,10 +471,31 @@ class DataPlane:
             sequence_lengths=meta.sequence_lengths,
             extra_info=dict(meta.extra_info),
             tags=meta.tags,
+            puts=[f"{write_id}:{crc32}"] if is_put else (None if meta.puts is None else list(meta.puts)),
         )
 
+    def _check_landed(self, data: str, upload: Any, write_id: str, fields: list[str]) -> None:
+        """After a commit: make sure the data file it names is there. A garbage collection run with a grace period
+        shorter than this write took may have removed it between the upload and the commit: upload the same bytes
+        again (the record's size and checksum still hold) and check once more.
+
+        Raises:
+            IntegrityError: the file is gone again after the second upload (the write is lost; never returned as done).
+        """
+        if self._io(f"check {data}", lambda: self.fs.exists(data)):
+            return
+        self._io(f"write {data}", upload)
+        if not self._io(f"check {data}", lambda: self.fs.exists(data)):
+            msg = (
+                f"data plane write {write_id} of {fields}: its data file {data} was removed after the upload, twice (a "
+                f"collect_garbage with a grace period shorter than a write, beside this writer?); the write is lost: "
+                f"retry it, and collect garbage with the default grace period (GC_GRACE_S = {GC_GRACE_S:.0f} s)"
+            )
+            raise IntegrityError(msg)
+
     def _check_put(self, snap: _Snapshot, meta: KVBatchMeta) -> None:
-        """ValueError unless every id of ``meta`` was minted by a put of this partition."""
+        """ValueError unless every id of ``meta`` was minted by a put of this partition; and what
+        :meth:`_check_meta` raises."""
         known = snap.put_ids()
         unknown = [s for s in meta.sample_ids if s not in known]
         if unknown:
@@ -368,6 +505,56 @@ class DataPlane:
                 f"({len(unknown)} of {meta.size()}){hint}; write under the ids a put of this partition returned"
             )
             raise ValueError(msg)
+        self._check_meta(snap, meta)
+
+    def _check_meta(self, snap: _Snapshot, meta: KVBatchMeta) -> None:
+        """Check ``meta`` against what the partition's puts stored for its rows (rows no put names are left to the
+        caller's own checks).
+
+        Raises:
+            StaleMetaError: a row was put again, with other content, since the put that ``meta.puts`` names.
+            ValueError: ``meta.sequence_lengths`` differ from the rows' stored ``input_lengths`` (an altered meta).
+        """
+        if meta.puts is None and meta.sequence_lengths is None:
+            return
+        keys, lengths = snap.put_rows()
+        if meta.puts is not None:
+            mine = set(meta.puts)
+            stale = [s for s in meta.sample_ids if s in keys and keys[s] not in mine]
+            if stale:
+                newer = sorted({keys[s] for s in stale})
+                msg = (
+                    f"stale meta: partition {meta.partition_id!r} of run {self.run_id!r}: rows {stale[:3]} ({len(stale)} of "
+                    f"{meta.size()}) were put again with other content (put {newer[:2]}) after the put this meta came from "
+                    f"({meta.puts[:2]}), e.g. after a clear and a re-put with the same id_key; reading or writing under it "
+                    "would mix two batches: use the meta that the latest put returned, or re-run the task that made this one"
+                )
+                raise StaleMetaError(msg)
+        if meta.sequence_lengths is not None:
+            bad = [i for i, (s, n) in enumerate(zip(meta.sample_ids, meta.sequence_lengths)) if s in lengths and lengths[s] != n]
+            if bad:
+                i = bad[0]
+                msg = (
+                    f"partition {meta.partition_id!r}: the meta's sequence_lengths differ from the input_lengths its put "
+                    f"stored at rows {bad[:5]} ({len(bad)} of {meta.size()}; row {i}: meta {meta.sequence_lengths[i]}, "
+                    f"stored {lengths[meta.sample_ids[i]]}): the meta was altered; use the meta the put returned"
+                )
+                raise ValueError(msg)
+
+    def _stored_lengths(self, snap: _Snapshot, meta: KVBatchMeta, *, writes_tokens: bool) -> list[int] | None:
+        """The token lengths of ``meta``'s rows that per-token fields must have: the ``input_lengths`` their puts
+        stored (in the put records; read from the data files for records that predate that), else, when the
+        partition has none, ``meta.sequence_lengths``. None when neither exists and ``writes_tokens`` is false.
+
+        Raises:
+            DataPlaneError: ``writes_tokens`` and no lengths anywhere (``input_lengths`` never written).
+        """
+        _, stored = snap.put_rows()
+        if all(s in stored for s in meta.sample_ids):
+            return [stored[s] for s in meta.sample_ids]
+        if any(INPUT_LENGTHS in c["fields"] for c in snap.commits) or (writes_tokens and meta.sequence_lengths is None):
+            return [int(x) for x in self._read_snapshot(snap, meta, [INPUT_LENGTHS])[INPUT_LENGTHS]]
+        return meta.sequence_lengths
 
     def discard(self, partition_id: str, sample_ids: Sequence[str]) -> None:
         """Drop samples mid-step (dynamic sampling): later reads naming them raise DataPlaneError."""
@@ -451,6 +638,9 @@ class DataPlane:
             ValueError: ``select_fields`` empty.
             DataPlaneError: the partition does not exist, a field was never written, or an id is unknown
                 or was discarded; the message names the partition, the field and the ids.
+            StaleMetaError: (a ``DataPlaneError``) rows of ``meta`` were put again, with other content, after the put
+                that ``meta.puts`` names (a clear and a re-put with the same ``id_key``).
+            ValueError: also when ``meta.sequence_lengths`` differ from the ``input_lengths`` the rows' put stored.
             IntegrityError: a committed data file is missing, fails its checksum or cannot be decoded; the
                 message names the file.
         """
@@ -458,6 +648,7 @@ class DataPlane:
             msg = "select_fields is required: name the columns to read (e.g. dataplane.fields.LP_SEED_FIELDS)"
             raise ValueError(msg)
         snap = self._snapshot(self._part(meta.partition_id), meta.partition_id)
+        self._check_meta(snap, meta)
         columns = self._read_snapshot(snap, meta, select_fields)
         if pad_to_seqlen is None:
             pad_to_seqlen = int(meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN, 0))
@@ -593,6 +784,25 @@ def _map_file(path: str) -> pa.Buffer | FileNotFoundError:
         return err
 
 
+def _mtime(info: Mapping[str, Any]) -> float | None:
+    """Modification time (s since the epoch) in an fsspec ``info`` dict: ``mtime`` (local), ``LastModified`` (s3fs),
+    ``last_modified`` (adlfs), ``updated`` (gcsfs), ...; None when it has none (an S3 "folder")."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
 def _rm_quiet(fs: Any, path: str) -> None:
     try:
         fs.rm(path, recursive=True)
@@ -640,6 +850,14 @@ def _commit_record(blob: bytes) -> tuple[dict[str, Any], str]:
         return {}, f"names {record['file']!r}, not a data file of its partition"
     if "sample_ids" in record and not isinstance(record["sample_ids"], list):
         return {}, "sample_ids is not a list"
+    if "input_lengths" in record:
+        stored = record["input_lengths"]
+        if not (
+            isinstance(stored, list)
+            and len(stored) == len(record.get("sample_ids", ()))
+            and all(type(x) is int for x in stored)
+        ):
+            return {}, "input_lengths is not a list of ints, one per sample id"
     return record, ""
 
 
@@ -654,9 +872,32 @@ class _Snapshot:
     discarded: set[str] = dataclasses.field(default_factory=set)
     skipped: list[str] = dataclasses.field(default_factory=list)
 
+    _rows: tuple[dict[str, str], dict[str, int]] | None = dataclasses.field(default=None, repr=False)
+
     def put_ids(self) -> set[str]:
         """Sample ids minted by the partition's puts."""
-        return {s for c in self.commits for s in c.get("sample_ids", ())}
+        return set(self.put_rows()[0])
+
+    def put_rows(self) -> tuple[dict[str, str], dict[str, int]]:
+        """``(put, lengths)``: for each sample id of the partition's puts, the newest put that wrote it (as
+        ``"{write_id}:{crc32}"``, see ``KVBatchMeta.puts``) and the ``input_lengths`` that put stored for it (ids of
+        puts that stored none are absent from ``lengths``). Computed once per snapshot."""
+        if self._rows is None:
+            keys: dict[str, str] = {}
+            lengths: dict[str, int] = {}
+            for c in self.commits:  # oldest first: a later put of an id wins
+                ids = c.get("sample_ids")
+                if ids is None:
+                    continue
+                keys.update(dict.fromkeys(ids, f"{c['write_id']}:{c['crc32']}"))
+                stored = c.get("input_lengths")
+                if stored is not None:
+                    lengths.update(zip(ids, stored))
+                else:
+                    for s in ids:
+                        lengths.pop(s, None)
+            self._rows = (keys, lengths)
+        return self._rows
 
     def arrow_type(self, name: str) -> tuple[str, str] | None:
         """``(arrow type, write id)`` of the newest earlier write of ``name``, if any."""

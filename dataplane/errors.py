@@ -30,6 +30,12 @@ class DataPlaneError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class StaleMetaError(DataPlaneError):
+    """A meta names rows that were put again with other content after it was made (``clear`` and a re-put with the
+    same ``id_key``, a retried put that wrote other rows): reading or writing under it would mix two batches.
+    Permanent: use the meta the latest put returned (or re-run the task that produced the meta)."""
+
+
 class IntegrityError(Exception):
     """Stored bytes fail verification: a checksum mismatch, an unreadable file, a committed file that is gone, a
     malformed record. Permanent: the message names the object; a retry would read the same bytes."""

@@ -1,7 +1,7 @@
 """`KVBatchMeta`: the small handle tasks pass instead of tensors, and its I/O-free transforms.
 
 Owns row bookkeeping only; it never touches storage (that is `dataplane.client`).
-Mirrors NeMo-RL's `nemo_rl.data_plane.interfaces.KVBatchMeta` (7 fields, no I/O in any method).
+Mirrors NeMo-RL's `nemo_rl.data_plane.interfaces.KVBatchMeta` (its 7 fields, plus ``puts``; no I/O in any method).
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ class KVBatchMeta:
         extra_info: batch-level bag of numbers: rollout metrics, timings (s),
             ``pad_to_multiple``, ``global_forward_pad_seqlen``.
         tags: per-row numeric sidecar aligned with ``sample_ids`` (e.g. ``baseline``, ``std``).
+        puts: the puts that wrote these rows, each ``"{write_id}:{crc32}"`` (the put's write id and the CRC-32 of
+            its data file, see ``DataPlane.put``), or None (a meta built by hand: not checked). Reads and delta
+            writes under the meta fail with ``StaleMetaError`` when a row was since put again with other content
+            (``clear`` and a re-put with the same ``id_key``, a retried put that sampled other rows). A retry that
+            wrote the same bytes is the same put: the meta stays valid.
     """
 
     partition_id: str
@@ -38,9 +43,13 @@ class KVBatchMeta:
     sequence_lengths: list[int] | None = None
     extra_info: dict[str, float] = field(default_factory=dict)
     tags: list[dict[str, float]] | None = None
+    puts: list[str] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.sample_ids)
+        if self.puts is not None and not (isinstance(self.puts, list) and all(isinstance(p, str) for p in self.puts)):
+            msg = f"puts must be a list of strings (the put records' '{{write_id}}:{{crc32}}'), got {self.puts!r}"
+            raise ValueError(msg)
         if self.sequence_lengths is not None and len(self.sequence_lengths) != n:
             msg = f"sequence_lengths has {len(self.sequence_lengths)} entries for {n} sample_ids; give one length per sample"
             raise ValueError(msg)
@@ -69,6 +78,7 @@ class KVBatchMeta:
             sequence_lengths=None if self.sequence_lengths is None else [self.sequence_lengths[i] for i in idx],
             tags=None if self.tags is None else [dict(self.tags[i]) for i in idx],
             extra_info=dict(self.extra_info),
+            puts=None if self.puts is None else list(self.puts),
         )
 
     def slice(self, start: int, stop: int) -> KVBatchMeta:
@@ -81,7 +91,8 @@ class KVBatchMeta:
         return self.subset([i for i in range(self.size()) if i not in gone])
 
     def concat(self, *others: KVBatchMeta) -> KVBatchMeta:
-        """Rows of ``self`` then of each of ``others``; all must name the same partition.
+        """Rows of ``self`` then of each of ``others``; all must name the same partition. ``puts`` is the union of
+        theirs (None if one of them has none: its rows could not be checked).
 
         Raises:
             ValueError: a meta of another partition, or an id present twice.
@@ -93,6 +104,7 @@ class KVBatchMeta:
             raise ValueError(msg)
         has_lengths = all(m.sequence_lengths is not None for m in metas)
         has_tags = all(m.tags is not None for m in metas)
+        has_puts = all(m.puts is not None for m in metas)
         field_sets = [set(m.fields) for m in metas if m.fields is not None]
         extra: dict[str, Any] = {}
         for m in metas:
@@ -105,6 +117,7 @@ class KVBatchMeta:
             sequence_lengths=[x for m in metas for x in m.sequence_lengths] if has_lengths else None,  # type: ignore[union-attr]
             extra_info=extra,
             tags=[dict(t) for m in metas for t in m.tags] if has_tags else None,  # type: ignore[union-attr]
+            puts=sorted({p for m in metas for p in m.puts}) if has_puts else None,  # type: ignore[union-attr]
         )
 
     def join(self, *others: KVBatchMeta) -> KVBatchMeta:

@@ -87,7 +87,8 @@ def test_retried_write_leaves_one_copy_and_garbage_collection_removes_the_other(
     assert sum(F.PREV_LOGPROBS in c["fields"] for c in commits) == 1
     assert dp.read(meta, [F.PREV_LOGPROBS], layout="jagged")[F.PREV_LOGPROBS].values().tolist() == [1.0] * 4
     assert len(_data_files(dp)) == 3  # put, the retry, and the first attempt's file: no write deletes a file
-    assert dp.collect_garbage() == {"orphan_data_files": 1, "temp_files": 0}
+    assert dp.collect_garbage() == {"orphan_data_files": 0, "temp_files": 0}  # too young for the default grace period
+    assert dp.collect_garbage(grace_s=0) == {"orphan_data_files": 1, "temp_files": 0}
     assert len(_data_files(dp)) == 2
     assert dp.read(meta, [F.PREV_LOGPROBS], layout="jagged")[F.PREV_LOGPROBS].values().tolist() == [1.0] * 4
 
@@ -291,12 +292,13 @@ def test_garbage_collection_removes_orphans_and_temps_of_killed_writers(dp):
         if dp._local:
             dp.fs.makedirs(f"{ckpts}/{folder}", exist_ok=True)
         dp.fs.pipe_file(f"{ckpts}/{folder}/model.safetensors", payload)
-    assert dp.collect_garbage() == {"orphan_data_files": 1, "temp_files": 3}
+    assert dp.collect_garbage() == {"orphan_data_files": 0, "temp_files": 0}  # all younger than an hour: kept
+    assert dp.collect_garbage(grace_s=0) == {"orphan_data_files": 1, "temp_files": 3}
     assert len(_data_files(dp)) == 1 and len(_commit_path(dp)) == 1
     assert [p.rsplit("/", 2)[-2] for p in dp.fs.find(ckpts)] == ["step_000001"]
     assert not dp.fs.glob(f"{part}/_commits/*tmp*")
     assert dp.read(meta, [F.REWARDS])[F.REWARDS].tolist() == pytest.approx([0.0, 0.1])
-    assert dp.collect_garbage() == {"orphan_data_files": 0, "temp_files": 0}
+    assert dp.collect_garbage(grace_s=0) == {"orphan_data_files": 0, "temp_files": 0}
 
 
 def test_transient_storage_errors_are_retried_and_permanent_ones_are_not(dp, monkeypatch):
