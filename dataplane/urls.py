@@ -12,17 +12,21 @@ __all__ = ["check_root", "has_userinfo", "is_secret_key", "redact"]
 
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*"
 # `scheme://userinfo@`: the userinfo runs to the last '@' of the authority (it ends at the first '/', '?' or '#').
-_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME}://)(?P<userinfo>[^/?#]*@)")
+# A URL inside a message ends at whitespace or a quote: neither appears unencoded in a URL (RFC 3986).
+_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME}://)(?P<userinfo>[^/?#\s'\"]*@)")
 # a secret-named query parameter: `?password=...`, `&X-Amz-Signature=...`
-_QUERY_PARAM = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;#]+)=(?P<value>[^&;#]*)")
+_QUERY_PARAM = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;#\s'\"]+)=(?P<value>[^&;#\s'\"]*)")
 _LOCAL = frozenset({"file", "local"})
 _COMMON = ("s3", "gs", "gcs", "az", "abfs", "file", "memory", "http", "https", "sftp")
 
 # Option names that hold credentials: matched as a substring of the lowercased name ...
-_SECRET_PARTS = ("secret", "passw", "pwd", "token", "credential", "auth", "apikey", "accesskey", "privatekey")
+_SECRET_PARTS = ("secret", "passw", "pwd", "token", "credential", "creds", "auth", "apikey", "accesskey", "privatekey")
 # ... or as one word of it (split at '_', '-', '.', spaces and camelCase): `key` (s3fs's access key id),
-# `aws_access_key_id`, `session`, `headers` (an ``Authorization`` header), `cookie(s)`, `signature` (``X-Amz-Signature``).
-_SECRET_WORDS = frozenset({"key", "session", "headers", "header", "cookie", "cookies", "signature", "sig"})
+# `aws_access_key_id`, `session`, `headers` (an ``Authorization`` header), `cookie(s)`, `signature` (``X-Amz-Signature``),
+# `sas` (an Azure shared access signature, adlfs's ``sas_token``), `cred`.
+_SECRET_WORDS = frozenset({"key", "session", "headers", "header", "cookie", "cookies", "signature", "sig", "sas", "cred"})
+# ... or as a run of words: adlfs's ``connection_string`` holds an account key (``AccountKey=...``).
+_SECRET_PHRASES = (("connection", "string"), ("conn", "str"), ("conn", "string"))
 # ... unless it is a known non-secret: a KMS key *id* names a key without being one; botocore's `signature_version`.
 _NOT_SECRET_PARTS = ("kms", "signature_version")
 
@@ -40,13 +44,21 @@ def is_secret_key(name: str) -> bool:
 
     Returns:
         True for names like ``key``, ``secret``, ``token``, ``password``/``passwd``/``pwd``, ``auth``,
-        ``headers``, ``credential(s)``, ``session``, ``aws_access_key_id``; False for ``endpoint_url``, ``anon``,
+        ``headers``, ``credential(s)``, ``creds``, ``session``, ``aws_access_key_id``, ``sas``/``sas_token``,
+        ``connection_string`` (adlfs's, with an account key); False for ``endpoint_url``, ``anon``,
         ``region_name``, ``use_ssl``, ``requester_pays``, ``client_kwargs`` and KMS key ids.
     """
     low = name.lower()
     if any(part in low for part in _NOT_SECRET_PARTS):
         return False
-    return any(part in low for part in _SECRET_PARTS) or any(word in _SECRET_WORDS for word in _words(name))
+    words = _words(name)
+    pairs = set(zip(words, words[1:], strict=False))
+    return (
+        any(part in low for part in _SECRET_PARTS)
+        or any(word in _SECRET_WORDS for word in words)
+        or any(phrase in pairs for phrase in _SECRET_PHRASES)
+        or "connectionstring" in low
+    )
 
 
 def has_userinfo(url: str) -> bool:

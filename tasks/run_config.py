@@ -127,6 +127,80 @@ class RunConfig(GRPOConfig):
         if k > 1 and self.policy.backend == "megatron" and self.generation.backend == "vllm":
             fail("resources.steps_per_task", f"is {k} with policy.backend megatron and generation.backend vllm", "no image holds both (vLLM pins its own torch): use steps_per_task 1, or generation.backend transformers")
 
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        """`GRPOConfig.from_json`, and under ``pyflyte run`` (a click context whose object says whether the run is
+        remote) the placement rules of that run (:func:`check_placement`): a remote run that asks for megatron
+        without train GPUs is refused before it is submitted, not in its first pod.
+
+        Raises:
+            ValueError: as `GRPOConfig.from_json` and :func:`check_placement`, as a ``click.BadParameter``.
+        """
+        import click
+
+        from rl.config.checks import usage_error
+
+        cfg = super().from_json(text)
+        ctx = click.get_current_context(silent=True)
+        remote = getattr(ctx.obj, "is_remote", None) if ctx is not None else None
+        if isinstance(remote, bool):
+            try:
+                check_placement(cfg, local=not remote)
+            except ValueError as err:
+                raise usage_error(str(err)) from None
+        return cfg
+
+
+_SUFFIXES = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity(value: str) -> float:
+    """A Kubernetes resource quantity as a number: ``"500m"`` -> 0.5 (cores), ``"16Gi"`` -> 17179869184.0 (bytes)."""
+    m = _QUANTITY.fullmatch(value)
+    if m is None:
+        msg = f"{value!r} is not a Kubernetes quantity"
+        raise ValueError(msg)
+    return float(m[1]) * _SUFFIXES.get(m[3] or "", 1.0)
+
+
+def check_placement(cfg: RunConfig, *, local: bool) -> None:
+    """The rules that relate the config to where it runs, checked before any model task starts: when ``pyflyte run``
+    reads ``--cfg`` (:meth:`RunConfig.from_json`) and again in ``start_run`` (a launch from the console).
+
+    A local run (every task on this machine): ``policy.nproc_per_node`` ranks at most one per CPU core, and vLLM's CPU
+    KV cache smaller than the machine's memory. A remote run (each class of tasks on its ``resources``): megatron
+    needs train GPUs; CPU ranks at most one per requested core of a train pod; vLLM's CPU KV cache smaller than a
+    rollout pod's memory.
+
+    Args:
+        cfg: the run's config.
+        local: the run is local (flytekit's local executor), else remote.
+
+    Raises:
+        ValueError: naming the keys to change.
+    """
+    import math
+    import os
+
+    ranks, kv_gib = cfg.policy.nproc_per_node, cfg.generation.vllm_cfg.cpu_kv_cache_gib
+    vllm = cfg.generation.backend == "vllm"
+    if local:
+        cores = os.cpu_count() or 1
+        if ranks > cores:
+            fail("policy.nproc_per_node", f"is {ranks} but this machine has {cores} CPU cores (a local run starts every rank here)", f"use at most {cores}")
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+        if vllm and memory and kv_gib * 2**30 >= memory:
+            fail("generation.vllm_cfg.cpu_kv_cache_gib", f"is {kv_gib:g} GiB but this machine has {memory / 2**30:.1f} GiB of memory", "use a few GiB, e.g. 2 (the cache holds only the rollout's sequences)")
+        return
+    train, rollout = cfg.resources.train, cfg.resources.rollout
+    if cfg.policy.backend == "megatron" and train.gpu < 1:
+        fail("resources.train.gpu", "is 0 but policy.backend 'megatron' runs only on CUDA GPUs", "set it to policy.nproc_per_node")
+    cores = math.ceil(quantity(train.cpu))
+    if train.gpu == 0 and ranks > cores:
+        fail("policy.nproc_per_node", f"is {ranks} CPU ranks but resources.train.cpu gives each train pod {train.cpu} cores", f"use at most {cores} ranks, or raise resources.train.cpu")
+    if vllm and rollout.gpu == 0 and kv_gib * 2**30 >= quantity(rollout.memory):
+        fail("generation.vllm_cfg.cpu_kv_cache_gib", f"is {kv_gib:g} GiB but a rollout pod has resources.rollout.memory {rollout.memory}", "lower it (e.g. 2), or raise resources.rollout.memory above it plus the model")
+
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
     """`rl.config.config_from_dict` for a `RunConfig`: ``{section: {key: value}}``, ``resources`` included."""

@@ -9,7 +9,7 @@ from flytekit import current_context, task
 
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
-from tasks.run_config import RunConfig
+from tasks.run_config import RunConfig, check_placement
 from tasks.types import RunInfo
 
 
@@ -33,6 +33,7 @@ def start_run(cfg: RunConfig) -> RunInfo:
         # import theirs in their own images)
         check_installed("generation", cfg.generation.backend)
         check_installed("policy", cfg.policy.backend)
+    check_placement(cfg, local=local)
     resolved, folder = _resolve(cfg)
     if cfg.policy.backend == "megatron":  # the model's shapes against the parallel sizes, before any GPU task starts
         from transformers import AutoConfig
@@ -40,13 +41,7 @@ def start_run(cfg: RunConfig) -> RunInfo:
         from rl.backends.megatron.model import check_model
 
         check_model(AutoConfig.from_pretrained(folder), cfg.policy.megatron_cfg)
-        if not local and cfg.resources.train.gpu < 1:
-            msg = "config resources.train.gpu: is 0 but policy.backend 'megatron' runs only on CUDA GPUs; set it to policy.nproc_per_node"
-            raise ValueError(msg)
-    d = cfg.data
-    train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=1)
-    if cfg.grpo.val_period or cfg.grpo.val_at_start:
-        val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
+    _check_lengths(cfg, folder)
     model_path = _shared(cfg, resolved, folder, local=local)
     if cfg.checkpointing.resume_run_id:
         return _resume(cfg, cfg.checkpointing.resume_run_id, model_path, cold_tasks=cold)
@@ -70,6 +65,28 @@ def start_run(cfg: RunConfig) -> RunInfo:
     return RunInfo(
         run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path, cold_tasks=cold
     )
+
+
+def _check_lengths(cfg: RunConfig, folder: str) -> None:
+    """Check the dataset (its first step's problems, and the validation problems) and that those prompts plus
+    ``generation.max_new_tokens`` fit the context (:mod:`rl.lengths`); the back-ends check every later prompt too."""
+    from transformers import AutoTokenizer
+
+    from rl.data import prompt_token_ids, train_problems, val_problems
+    from rl.lengths import check_fits, context_limit, model_max_len
+
+    import os
+
+    d = cfg.data
+    limit = context_limit(cfg, model_max_len(folder)) if os.path.isdir(folder) else None  # a hub id: its tasks check
+    if limit is not None:
+        check_fits([], cfg.generation.max_new_tokens, *limit)  # before the dataset: no prompt fits then
+    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=cfg.grpo.num_prompts_per_step)
+    if cfg.grpo.val_period or cfg.grpo.val_at_start:
+        problems += val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
+    if limit is not None:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        check_fits([len(prompt_token_ids(tokenizer, p.question, d.system_prompt)) for p in problems], cfg.generation.max_new_tokens, *limit)
 
 
 def run_model(cfg: RunConfig, *, local: bool) -> str:

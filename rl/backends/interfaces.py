@@ -111,6 +111,10 @@ class GenerationBackend(abc.ABC):
 
         Returns:
             :class:`Generated` with N = B * G rows, group-contiguous.
+
+        Raises:
+            ValueError: a prompt plus ``generation.max_new_tokens`` does not fit the context (the model's
+                positions, or vLLM's ``max_model_len``): :func:`rl.lengths.check_fits`.
         """
 
     @abc.abstractmethod

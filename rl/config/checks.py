@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -273,6 +274,51 @@ def refuse_credentials(options: Any, where: str) -> None:
             refuse_credentials(v, f"{where}[{i}]")
     elif isinstance(options, str) and has_userinfo(options):
         fail(where, f"{redact(options)!r} holds a user:password@ part", f"drop it and {_CREDENTIALS_FIX}")
+
+
+# ---------------------------------------------------------------- MLflow tracking URIs
+
+# The URI schemes of MLflow's own tracking stores (``mlflow.tracking._tracking_service.utils``); a scheme with a
+# ``+`` names a SQLAlchemy dialect and driver (``postgresql+psycopg2``).
+_MLFLOW_SCHEMES = frozenset({"file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc", "uc"})
+_MLFLOW_NAMES = frozenset({"databricks", "databricks-uc", "uc"})  # URIs without a colon that name a store
+_URI_SCHEME = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+):")  # two or more letters: `C:` is a Windows drive
+_URI_FIX = "use e.g. 'sqlite:///runs/mlflow.db', 'http://host:5000', 'postgresql://host/db' or a folder such as './mlruns'"
+
+
+def _plugin_schemes() -> set[str]:
+    """Schemes of tracking stores that installed MLflow plugins register (entry point group ``mlflow.tracking_store``)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name.lower() for ep in entry_points(group="mlflow.tracking_store")}
+
+
+def check_tracking_uri(uri: str) -> None:
+    """Refuse an MLflow tracking URI that MLflow would read as something else than meant, or not at all.
+
+    MLflow reads any string without a scheme as a folder of its file store, so a typo becomes a new folder and
+    the run's metrics go there. Accepted: a URI whose scheme one of MLflow's stores (or an installed plugin's)
+    reads (``sqlite:///runs/mlflow.db``, ``http(s)://host:port``, ``postgresql+psycopg2://...``,
+    ``file:///abs/mlruns``), ``databricks``, and a folder path (``mlruns``, ``runs/mlruns``, ``/abs/my runs``).
+
+    Raises:
+        ValueError: an unknown scheme (``htp://host``); a bare name with spaces (``not a uri``: write a folder as
+            ``./not a uri``); a bare path to a ``.db``/``.sqlite`` file (write ``sqlite:///...``). Credentials in
+            the URI are redacted in the message.
+    """
+    where = "tracking.uri"
+    m = _URI_SCHEME.match(uri)
+    if m:
+        scheme = m["scheme"].lower()
+        if scheme.split("+")[0] not in _MLFLOW_SCHEMES and scheme not in _plugin_schemes():
+            fail(where, f"{redact(uri)!r} has the scheme {m['scheme']!r}, which no MLflow tracking store reads", _URI_FIX)
+        return
+    if uri in _MLFLOW_NAMES:
+        return
+    if uri.lower().endswith((".db", ".sqlite", ".sqlite3")):
+        fail(where, f"{uri!r} is a path to a database file, which MLflow would read as a folder of that name", f"write 'sqlite:///{uri}'")
+    if any(c.isspace() for c in uri) and not uri.startswith(("/", "./", "../", "~")):
+        fail(where, f"{uri!r} is neither a URI (scheme:...) nor a folder path, and MLflow would make a folder of that name", f"{_URI_FIX}; write a folder with spaces as './{uri}'")
 
 
 # ---------------------------------------------------------------- across sections

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dataplane.urls import check_root, redact
-from rl.config.checks import Section, check_across_sections, check_fields, config_root, describe, fail, refuse_credentials
+from rl.config.checks import Section, check_across_sections, check_fields, check_tracking_uri, config_root, describe, fail, refuse_credentials
 from rl.config.descriptions import document_tree
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -361,6 +361,10 @@ class OptimConfig(Section):
         check_fields(self)
         if self.lr <= 0:
             fail("optim.lr", f"is {self.lr}", "use a positive learning rate, e.g. 1e-5")
+        if self.weight_decay < 0:
+            fail("optim.weight_decay", f"is {self.weight_decay}", "use 0 (off) or a positive decay, e.g. 0.01")
+        if self.train_global_batch_size is not None and self.train_global_batch_size < 1:
+            fail("optim.train_global_batch_size", f"is {self.train_global_batch_size}", "use a divisor of the step's samples, or null for the whole step")
         for name in ("train_micro_batch_size", "logprob_batch_size", "train_max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -414,12 +418,18 @@ class CheckpointingConfig(Section):
         check_fields(self)
         if self.checkpoint_period < 1 or self.keep_last_k < 1:
             fail("checkpointing", "checkpoint_period and keep_last_k must be >= 1", "use e.g. checkpoint_period=2, keep_last_k=2")
+        if self.resume_run_id is not None and not self.resume_run_id.strip():
+            fail("checkpointing.resume_run_id", f"is {self.resume_run_id!r}", "give the run_id to resume (printed at the run's start, e.g. 'run-20261126-150101-1a2b3c'), or null to start a new run")
+        if self.resume_run_id is not None and self.resume_run_id != self.resume_run_id.strip():
+            fail("checkpointing.resume_run_id", f"{self.resume_run_id!r} has leading or trailing spaces", f"write {self.resume_run_id.strip()!r}")
 
 
 @dataclass
 class TrackingConfig(Section):
     uri: str = "sqlite:///runs/mlflow.db"
-    """MLflow tracking URI: a sqlite file (default), a folder, or ``http://host:port``."""
+    """MLflow tracking URI: a sqlite file (default), a database (``postgresql://...``, ``mysql+pymysql://...``), a
+    tracking server (``http(s)://host:port``), ``databricks``, or a folder (``mlruns``, ``./runs/mlruns``,
+    ``file:///abs/mlruns``)."""
     experiment_name: str = "grpoflow"
     """MLflow experiment of the run."""
     run_name: str | None = None
@@ -434,6 +444,7 @@ class TrackingConfig(Section):
             fail("tracking.uri", "is empty", "use e.g. 'sqlite:///runs/mlflow.db' or 'http://host:5000'")
         if self.uri != self.uri.strip():
             fail("tracking.uri", f"{redact(self.uri)!r} has leading or trailing spaces", f"write {redact(self.uri.strip())!r}")
+        check_tracking_uri(self.uri)
         if not self.experiment_name.strip():
             fail("tracking.experiment_name", "is empty", "name the MLflow experiment, e.g. 'grpoflow'")
 

@@ -48,7 +48,11 @@ class HFGeneration(GenerationBackend):
         if self._model is None:
             msg = "the transformers generation back-end holds no weights yet: call refit(version) first"
             raise RuntimeError(msg)
+        from rl.lengths import MODEL_LIMIT, check_fits
+
         g = self._cfg.generation
+        limit = getattr(self._model.config, "max_position_embeddings", None) or 1 << 30
+        check_fits([len(p) for p in prompts], g.max_new_tokens, int(limit), MODEL_LIMIT)
         return generate(
             self._model,
             self._tokenizer,

@@ -104,6 +104,7 @@ class VLLMGeneration(GenerationBackend):
         self._version: int | None = None
         self._sleeping: set[str] = set()
         self._derived_layers: frozenset[str] | None = None
+        self._context: tuple[int, str] = (1 << 30, "")  # (tokens, what sets them) once the engine has started
 
     @property
     def weight_version(self) -> int | None:
@@ -131,7 +132,10 @@ class VLLMGeneration(GenerationBackend):
         return "bfloat16" if resolve(self._cfg.model.precision, self._device()) == "bfloat16" else None
 
     def _start(self, folder: str) -> None:
-        plan = engine_plan(self._cfg, self._device(), model_max_len=_model_max_len(folder), shares_gpu=self._shares_gpu)
+        from rl.lengths import context_limit, model_max_len
+
+        self._context = context_limit(self._cfg, model_max_len(folder))
+        plan = engine_plan(self._cfg, self._device(), model_max_len=self._context[0], shares_gpu=self._shares_gpu)
         os.environ.update(plan.env)
         for key, value in plan.env_defaults.items():
             os.environ.setdefault(key, value)
@@ -222,7 +226,10 @@ class VLLMGeneration(GenerationBackend):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from rl.lengths import check_fits
+
         g, plan = self._cfg.generation, self._plan
+        check_fits([len(p) for p in prompts], g.max_new_tokens, *self._context)  # vLLM would stop them at max_model_len
         eos = int(self._tokenizer.eos_token_id)
         params = [
             SamplingParams(
@@ -265,15 +272,6 @@ class VLLMGeneration(GenerationBackend):
             _destroy_parallel_state()
         self._version, self._plan, self._sleeping, self._derived_layers = None, None, set(), None
         return True
-
-
-def _model_max_len(folder: str) -> int:
-    """The model's own context limit (``max_position_embeddings`` of its config.json)."""
-    import json
-    from pathlib import Path
-
-    config = json.loads((Path(folder) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 1 << 30)
 
 
 @contextlib.contextmanager

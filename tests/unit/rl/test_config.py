@@ -49,6 +49,15 @@ def test_defaults_are_valid_and_json_safe():
         ("loss", {"truncated_importance_sampling_ratio": 2.0}, "use_importance_sampling_correction is false"),
         ("loss", {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": -1}, "positive bound"),
         ("dataplane", {"storage_options": {"secret": "x"}}, "environment"),
+        # accepted before, failing later (a ZeroDivisionError at config time, a new run, a misplaced store) or never
+        ("optim", {"train_global_batch_size": 0}, r"^config optim.train_global_batch_size: is 0; use a divisor of the step's samples, or null"),
+        ("optim", {"weight_decay": -1}, r"^config optim.weight_decay: is -1.0; use 0 \(off\) or a positive decay"),
+        ("checkpointing", {"resume_run_id": ""}, r"^config checkpointing.resume_run_id: is ''; give the run_id to resume .* or null to start a new run"),
+        ("checkpointing", {"resume_run_id": "run-1 "}, r"^config checkpointing.resume_run_id: 'run-1 ' has leading or trailing spaces; write 'run-1'"),
+        ("tracking", {"uri": "not a uri"}, r"^config tracking.uri: 'not a uri' is neither a URI .* nor a folder path, and MLflow would make a folder of that name"),
+        ("tracking", {"uri": "htp://host:5000"}, r"^config tracking.uri: 'htp://host:5000' has the scheme 'htp', which no MLflow tracking store reads"),
+        ("tracking", {"uri": "runs/mlflow.db"}, r"^config tracking.uri: 'runs/mlflow.db' is a path to a database file.*; write 'sqlite:///runs/mlflow.db'"),
+        ("tracking", {"uri": "htp://u:hush@host"}, r"'htp://\*\*\*@host' has the scheme"),
     ],
 )
 def test_bad_values_fail_with_a_fix(section, values, match):
@@ -320,7 +329,9 @@ def test_tracking_uri_is_checked_loosely():
         config_from_dict({"tracking": {"uri": ""}})
     with pytest.raises(ValueError, match="config tracking.uri: .*leading or trailing spaces"):
         config_from_dict({"tracking": {"uri": " http://host:5000"}})
-    for uri in ("http://user:pw@host:5000", "sqlite:///runs/mlflow.db", "runs/mlruns", "databricks"):
+    accepted = ("http://user:pw@host:5000", "sqlite:///runs/mlflow.db", "runs/mlruns", "databricks", "mlruns", "./my runs", "/abs/my runs",
+                "file:///abs/mlruns", "postgresql+psycopg2://u@db/mlflow", "https://host", "databricks://profile")
+    for uri in accepted:
         assert config_from_dict({"tracking": {"uri": uri}}).tracking.uri == uri
 
 

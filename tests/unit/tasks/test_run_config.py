@@ -113,3 +113,52 @@ def test_config_reference_documents_resources():
     for key, _ in RESOURCES_LEAVES:
         assert f"| `{key}` |" in text
     assert "- [`resources.train`](#resourcestrain)" in text
+
+
+def test_quantities_read_as_kubernetes_does():
+    from tasks.run_config import quantity
+
+    assert quantity("500m") == 0.5 and quantity("2") == 2.0 and quantity("16Gi") == 16 * 2**30 and quantity("1.5G") == 1.5e9
+
+
+@pytest.mark.parametrize(
+    ("data", "local", "match"),
+    [
+        ({"policy": {"nproc_per_node": 1000}}, True, r"^config policy.nproc_per_node: is 1000 but this machine has 2 CPU cores \(a local run starts every rank here\); use at most 2$"),
+        ({"generation": {"backend": "vllm", "vllm_cfg": {"cpu_kv_cache_gib": 1e6}}}, True, r"^config generation.vllm_cfg.cpu_kv_cache_gib: is 1e\+06 GiB but this machine has 16.0 GiB of memory"),
+        ({"policy": {"backend": "megatron"}}, False, r"^config resources.train.gpu: is 0 but policy.backend 'megatron' runs only on CUDA GPUs; set it to policy.nproc_per_node$"),
+        ({"policy": {"nproc_per_node": 1000}}, False, r"^config policy.nproc_per_node: is 1000 CPU ranks but resources.train.cpu gives each train pod 2 cores; use at most 2 ranks"),
+        ({"policy": {"nproc_per_node": 3}, "resources": {"train": {"cpu": "2500m"}}}, False, None),  # 2.5 cores hold 3 ranks
+        ({"policy": {"nproc_per_node": 4}, "resources": {"train": {"cpu": "2500m"}}}, False, r"gives each train pod 2500m cores; use at most 3 ranks"),
+        ({"generation": {"backend": "vllm", "vllm_cfg": {"cpu_kv_cache_gib": 1e6}}}, False, r"^config generation.vllm_cfg.cpu_kv_cache_gib: is 1e\+06 GiB but a rollout pod has resources.rollout.memory 8Gi"),
+        ({"generation": {"backend": "vllm", "vllm_cfg": {"cpu_kv_cache_gib": 64}}, "resources": {"rollout": {"gpu": 1}}}, False, None),  # CUDA: no CPU cache
+        ({"policy": {"backend": "megatron", "nproc_per_node": 2}, "resources": {"train": {"gpu": 2}}}, False, None),
+    ],
+)
+def test_placement_refuses_what_the_machine_or_the_pods_cannot_hold(monkeypatch, data, local, match):
+    import os
+
+    from tasks.run_config import check_placement
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16 * 2**30 // 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    cfg = run_config_from_dict(data)  # a valid config in itself
+    if match is None:
+        check_placement(cfg, local=local)
+        return
+    with pytest.raises(ValueError, match=match):
+        check_placement(cfg, local=local)
+
+
+@pytest.mark.parametrize(("remote", "cfg"), [(True, '{"policy": {"backend": "megatron"}}'), (False, '{"policy": {"nproc_per_node": 100000}}')])
+def test_pyflyte_run_checks_the_placement_of_its_run_before_submitting(remote, cfg):
+    from click.testing import CliRunner
+    from flytekit.clis.sdk_in_container.pyflyte import main
+
+    args = ["run", *(["--remote"] if remote else []), str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", cfg]
+    result = CliRunner().invoke(main, args)
+    out = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 2, out  # click's usage error: nothing was submitted or run
+    key = "resources.train.gpu" if remote else "policy.nproc_per_node"
+    assert f"Invalid value for '--cfg': config {key}: " in out and "Traceback" not in out

@@ -103,6 +103,16 @@ def test_generate_returns_group_contiguous_rows_with_masks_and_logprobs(generato
         assert eos not in out.response_token_ids[i][:-1]  # nothing after an eos
 
 
+def test_a_prompt_past_the_models_positions_is_refused(generator, tiny_model_dir):
+    from rl.lengths import model_max_len
+
+    limit = model_max_len(tiny_model_dir)  # 512: the tiny model's max_position_embeddings
+    fits, too_long = [1] * (limit - 6), [1] * (limit - 5)  # + max_new_tokens 6
+    with pytest.raises(ValueError, match=rf"^config generation.max_new_tokens: 6 plus the longest prompt's {limit - 5} tokens is more than the {limit} tokens of the model's max_position_embeddings"):
+        generator.generate([PROMPTS[0], too_long], group_size=1, seed=0)
+    assert max(len(ids) for ids in generator.generate([fits], group_size=1, seed=0).input_ids) <= limit
+
+
 def test_the_seed_fixes_the_completions(generator):
     a = generator.generate(PROMPTS, group_size=4, seed=11)
     b = generator.generate(PROMPTS, group_size=4, seed=11)

@@ -199,3 +199,13 @@ def test_without_seeds_the_cpu_needs_no_waves_either(fake_vllm):
     gen._llm.llm_engine.vllm_config.cache_config.num_gpu_blocks = 1  # unseeded requests may be preempted: one call
     gen.generate(PROMPTS, group_size=2, seed=1)
     assert gen._llm.calls == [("generate", 2, (None, None))]
+
+
+def test_a_prompt_that_does_not_fit_max_model_len_is_refused_before_the_engine_runs(fake_vllm):
+    gen = _backend()
+    gen._context = (8, "generation.vllm_cfg.max_model_len")  # as `_start` sets it from the config and the model
+    gen.generate([[1, 2, 3, 4]], group_size=2, seed=0)  # 4 + max_new_tokens 4 = 8: fits
+    calls = len(gen._llm.calls)
+    with pytest.raises(ValueError, match=r"^config generation.max_new_tokens: 4 plus the longest prompt's 5 tokens is more than the 8 tokens of generation.vllm_cfg.max_model_len"):
+        gen.generate([[1, 2], [1, 2, 3, 4, 5]], group_size=2, seed=0)
+    assert len(gen._llm.calls) == calls  # nothing was submitted
