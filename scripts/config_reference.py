@@ -32,6 +32,7 @@ tasks run on a cluster. Every key has a default, so a config gives only what it 
 ```bash
 pyflyte run workflows/grpo.py grpo --cfg '{"grpo": {"max_num_steps": 8}, "optim": {"lr": 2e-5}}'
 pyflyte run workflows/grpo.py grpo --cfg configs/quick.yaml      # a .yaml, .yml or .json file
+pyflyte run workflows/grpo.py grpo --cfg s3://bucket/configs/x.yaml   # or file:///abs/x.yaml, any fsspec URL
 ```
 
 ```yaml
@@ -48,7 +49,10 @@ In Python, `tasks.run_config.load_run_config(source)` reads inline JSON, a local
 A config is checked when it is built, before anything runs: an unknown key, a value of the wrong type (nothing is
 coerced: `"4"` is no integer, `"no"` no boolean; a number may be written `1e-5`), or a value out of range fails with
 the dotted key and how to fix it, e.g. `config grpo.max_num_steps: expected a whole number, got the string 'four';
-write an integer such as 3, unquoted`.
+write an integer such as 3, unquoted`. A file is refused, by name, where it does not exist or cannot be read, is not
+valid YAML or JSON, gives a key twice in one mapping (a YAML `<<:` merge may be overridden), or holds a YAML alias
+inside its own anchor or aliases that expand past 100,000 values. `pyflyte run ... --help` lists the sections; the
+console's launch form shows each key's description from the JSON schema registered with the workflow.
 """
 
 

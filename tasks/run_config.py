@@ -17,7 +17,7 @@ from typing import Any
 from rl.config import GRPOConfig, config_from_dict, load_config
 from rl.config.checks import Section, check_fields, config_root, fail, section_name
 from rl.config.descriptions import document_tree
-
+from tasks.cli import install_config_options
 
 _QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 """A Kubernetes resource quantity: ``2``, ``500m``, ``16Gi``, ``1.5``."""
@@ -213,3 +213,4 @@ def load_run_config(source: str, *, storage_options: dict[str, Any] | None = Non
 
 
 document_tree(RunConfig)
+install_config_options()  # pyflyte run's --cfg: load_config and a short help (a no-op outside pyflyte)

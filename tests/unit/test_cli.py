@@ -16,15 +16,21 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # flyteki
 
 @pytest.fixture(scope="module")
 def pyflyte():
-    """``pyflyte(*args)`` -> (exit code, output with rich's boxes and line wrapping undone), run in this process."""
+    """``pyflyte(*args)`` -> (exit code, output with rich's boxes and line wrapping undone; as printed with
+    ``raw=True``), run in this process. pyflyte imports its ``run`` module before it loads a workflow file, whose
+    ``tasks.run_config`` then installs the ``--cfg`` option (`tasks.cli`); in this process an earlier test may have
+    imported ``tasks.run_config`` first, so it is installed here too (it is idempotent)."""
     from click.testing import CliRunner
     from flytekit.clis.sdk_in_container.pyflyte import main
 
+    from tasks.cli import install_config_options
+
+    install_config_options()
     runner = CliRunner()
 
-    def run(*args: str) -> tuple[int, str]:
+    def run(*args: str, raw: bool = False) -> tuple[int, str]:
         result = runner.invoke(main, list(args))
-        return result.exit_code, " ".join(result.output.replace("│", " ").split())
+        return result.exit_code, result.output if raw else " ".join(result.output.replace("│", " ").split())
 
     return run
 
@@ -58,12 +64,118 @@ def test_a_bad_cfg_file_is_one_paragraph_without_a_traceback(pyflyte, tmp_path):
     assert "Traceback" not in out
 
 
-def test_help_points_to_the_config_reference(pyflyte):
-    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--help")
+def _cfg_file(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    return path
+
+
+def test_a_missing_cfg_file_says_it_does_not_exist(pyflyte, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", "nope.yaml")
+    assert code == 2
+    assert "Invalid value for '--cfg': config file 'nope.yaml': does not exist (looked for " in out
+    assert f"{tmp_path / 'nope.yaml'}); check the path (a relative path starts at the current folder)" in out.replace(" /", "/")
+    assert "Expecting value" not in out and "json object" not in out and "Traceback" not in out
+
+
+def test_a_cfg_file_url_is_read(pyflyte, tmp_path):
+    from tasks.cli import config_param_type
+    from tasks.run_config import RunConfig
+
+    bad = _cfg_file(tmp_path, "bad.yaml", "grpo:\n  max_num_steps: 0\n")
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", bad.as_uri())  # file:///...
+    assert code == 2
+    assert "Invalid value for '--cfg': config grpo.max_num_steps: is 0; use at least 1" in out
+    good = _cfg_file(tmp_path, "good.yaml", "grpo:\n  max_num_steps: 3\n")
+    assert config_param_type()(RunConfig).convert(good.as_uri(), None, None).grpo.max_num_steps == 3
+
+
+def test_a_cfg_file_on_s3_is_read_with_the_flyte_environment(pyflyte, s3_server, monkeypatch):
+    import boto3
+    import fsspec
+
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(
+        Bucket="grpoflow", Key="configs/zero.yaml", Body=b"grpo:\n  max_num_steps: 0\n"
+    )
+    fsspec.filesystem("s3").clear_instance_cache()
+    monkeypatch.setenv("FLYTE_AWS_ENDPOINT", s3_server)
+    monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("FLYTE_AWS_SECRET_ACCESS_KEY", "testing")
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", "s3://grpoflow/configs/zero.yaml")
+    assert code == 2 and "Invalid value for '--cfg': config grpo.max_num_steps: is 0" in out
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", "s3://grpoflow/configs/nope.yaml")
+    assert code == 2 and "config file 's3://grpoflow/configs/nope.yaml': does not exist; check" in out
+
+
+_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n" for j, k in zip("abcde", "bcdef")
+)
+"""Six levels of ten-fold aliases: 1.1 million values once expanded (a 'billion laughs' in small)."""
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "problem"),
+    [
+        ("run.yaml", bytes(range(128, 256)), "is not a text file; give a YAML or JSON config file"),
+        ("run.yaml", "grpo: &a [*a]\n", "grpo[0] is an alias of 'grpo' inside 'grpo' itself (a structure that contains itself)"),
+        ("run.yaml", _LAUGHS, "e expands to more than 100000 values (YAML aliases repeated inside one another)"),
+        ("run.yaml", "[" * 5000 + "]" * 5000, "nests too deeply to read"),
+        ("run.yaml", "grpo:\n  max_num_steps: 2\n  max_num_steps: 3\n", "gives the key 'grpo.max_num_steps' twice (lines 2 and 3); keep one"),
+        ("run.json", '{"grpo": {"max_num_steps": 2, "max_num_steps": 3}}', "gives the key 'grpo.max_num_steps' twice; keep one"),
+    ],
+    ids=["random-bytes", "alias-cycle", "alias-laughs", "deep-nesting", "duplicate-yaml-key", "duplicate-json-key"],
+)
+def test_a_cfg_file_that_cannot_be_read_is_named(pyflyte, tmp_path, monkeypatch, name, content, problem):
+    monkeypatch.chdir(tmp_path)
+    _cfg_file(tmp_path, name, content)
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", name)
+    assert code == 2
+    assert f"Invalid value for '--cfg': config file '{name}': {problem}" in out
+    assert "Traceback" not in out
+
+
+def test_help_is_a_page_naming_the_sections_and_the_reference(pyflyte):
+    """flytekit would append the JSON schema of RunConfig (about 760 lines of help): tasks/cli.py replaces it."""
+    from tasks.run_config import RunConfig
+
+    code, raw = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--help", raw=True)
     assert code == 0
-    # flytekit appends the input's JSON schema to its help text; the workflow's description of cfg comes first
-    cfg_help = out[out.index("--cfg") :]
-    assert cfg_help.index("docs/config.md") < cfg_help.index('"type": "object"')
+    assert len(raw.splitlines()) < 60, raw
+    out = " ".join(raw.replace("│", " ").split())
+    cfg_help = out[out.index("--cfg") : out.index("--inputs-file")]
+    assert "JSON OR FILE" in cfg_help and "Inline JSON" in cfg_help and "file:///abs/x.yaml, s3://bucket/x.yaml" in cfg_help
+    for section in (f.name for f in dataclasses.fields(RunConfig)):
+        assert f" {section}: " in cfg_help, section
+    assert "optim: AdamW, warmup, gradient clipping and batch sizes" in cfg_help
+    assert "Every key, its type and default: docs/config.md." in cfg_help
+    assert '"type"' not in out and "[default:" not in cfg_help  # no schema, no 40-line default
+
+
+def test_the_console_still_gets_the_schema_with_descriptions(pyflyte):
+    """The short help is the command line's only: the interface registered with the workflow (what the console's
+    launch form renders) keeps flytekit's JSON schema, descriptions included."""
+    from google.protobuf.json_format import MessageToDict
+
+    from workflows.grpo import grpo
+
+    pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--help")
+    idl = grpo.interface.to_flyte_idl().inputs.variables["cfg"]
+    schema = MessageToDict(idl.type.metadata)
+    assert schema["title"] == "RunConfig"
+    assert schema["properties"]["optim"]["properties"]["lr"]["description"] == "AdamW learning rate after warmup."
+    assert schema["properties"]["resources"]["description"].startswith("Images and resources of each class of tasks")
+
+
+@pytest.mark.slow
+def test_help_of_the_real_command_is_short():
+    """As a user runs it: pyflyte imports its run module, then the workflow file, which installs the option."""
+    import subprocess
+    import sys
+
+    pyflyte = Path(sys.executable).with_name("pyflyte")
+    out = subprocess.run([str(pyflyte), "run", "workflows/grpo.py", "grpo", "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert 20 < len(out.stdout.splitlines()) < 60 and "docs/config.md" in out.stdout
 
 
 def test_from_json_errors_are_click_usage_errors_and_value_errors():

@@ -362,6 +362,14 @@ def test_load_config_reads_paths_and_file_urls(tmp_path, monkeypatch):
         ("run.yaml", "just text", r"^config file 'run.yaml': holds the string 'just text', not a mapping of sections"),
         ("run.yaml", b"\xff\xfe\x00", r"^config file 'run.yaml': is not a text file"),
         ("run.yaml", "grpo:\n  max_num_steps: four\n", r"^config grpo.max_num_steps: expected a whole number, got the string 'four'"),
+        ("run.yaml", "grpo:\n  max_num_steps: 2\n  val_period: 1\n  max_num_steps: 3\n", r"^config file 'run.yaml': gives the key 'grpo.max_num_steps' twice \(lines 2 and 4\); keep one of them"),
+        ("run.yml", "grpo: {}\noptim: {lr: 1.0e-5}\ngrpo: {max_num_steps: 2}\n", r"^config file 'run.yml': gives the key 'grpo' twice \(lines 1 and 3\)"),
+        ("run.json", '{"optim": {"lr": 1e-5}, "grpo": {"max_num_steps": 2, "max_num_steps": 3}}', r"^config file 'run.json': gives the key 'grpo.max_num_steps' twice; keep one"),
+        ("run.yaml", "dataplane:\n  storage_options: &o {anon: *o}\n", r"^config file 'run.yaml': dataplane.storage_options.anon is an alias of 'dataplane.storage_options' inside"),
+        ("run.yaml", "&root {grpo: *root}\n", r"^config file 'run.yaml': grpo is an alias of the document inside the document itself"),
+        ("run.yaml", "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n" for j, k in zip("abcd", "bcde")), r"^config file 'run.yaml': e expands to more than 100000 values"),
+        ("run.yaml", "[" * 5000 + "]" * 5000, r"^config file 'run.yaml': nests too deeply to read"),
+        ("run.json", "[" * 100_000 + "]" * 100_000, r"^config file 'run.json': nests too deeply to read"),
     ],
 )
 def test_load_config_says_what_is_wrong_with_the_file(tmp_path, monkeypatch, name, content, match):
@@ -372,6 +380,20 @@ def test_load_config_says_what_is_wrong_with_the_file(tmp_path, monkeypatch, nam
         (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=match):
         load_config(name)
+
+
+def test_yaml_merge_keys_may_be_overridden_and_inline_json_keys_are_unique(tmp_path):
+    """A ``<<: *base`` merge and a key that overrides it is no duplicate; two keys in one inline JSON object are."""
+    y = tmp_path / "run.yaml"
+    y.write_text("base: &base {max_num_steps: 2, val_period: 1}\ngrpo:\n  <<: *base\n  max_num_steps: 3\n")
+    with pytest.raises(ValueError, match=r"^config root: unknown keys \['base'\]"):  # the anchor's key is a key too
+        load_config(str(y))
+    y.write_text("grpo: &g {max_num_steps: 2, val_period: 1}\noptim: {}\n")
+    assert load_config(str(y)).grpo.max_num_steps == 2  # an alias used once is fine
+    with pytest.raises(ValueError, match=r"^config \(inline JSON\): gives the key 'grpo' twice; keep one of them"):
+        load_config('{"grpo": {}, "grpo": {"max_num_steps": 2}}')
+    with pytest.raises(ValueError, match=r"^config: gives the key 'optim.lr' twice; keep one of them"):
+        GRPOConfig.from_json('{"optim": {"lr": 1e-5, "lr": 2e-5}}')
 
 
 def test_load_config_refuses_folders_and_unknown_protocols(tmp_path):
