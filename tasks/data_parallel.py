@@ -20,7 +20,8 @@ from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
 
 FAULT_DRILL_ENV = "GRPOFLOW_FAULT_DRILL"
 """Fault drill: ``<task>:<rank>`` (e.g. ``train:1``) makes that rank of that task exit at once, as a killed process
-does, right after its share of the work (:func:`fault_drill`). For rehearsing a lost rank; the tests use it."""
+does, right after its share of the work (:func:`fault_drill`), in every attempt. For rehearsing a lost rank; the tests
+use it."""
 
 PEER_LOST_WAIT_S = 10.0
 """How long a rank that lost a peer waits to be stopped by the launcher before it raises (see :func:`_ranked`)."""

@@ -11,8 +11,10 @@ direction and the 1-rank and 2-rank updates can be compared.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,23 +52,50 @@ def _set_advantages(cfg, run, meta) -> None:
     dp.write_columns(meta, {F.ADVANTAGES: to_nested_by_length(adv, batch[F.INPUT_LENGTHS])}, task_name="advantages")
 
 
-def _attempts(task, drill: str | None, failures: list[str], **inputs):
-    """Call ``task``; with a fault drill, first an attempt in which that rank dies (recoverable, as Flyte sees it), then
-    the retry Flyte makes with the same inputs. A failed train attempt must not have saved the step."""
-    from tasks import saving
-    from tasks.data_parallel import FAULT_DRILL_ENV
+@contextlib.contextmanager
+def _rank_dies_once(drill: str, failures: list[str], check: Callable[..., None] | None = None) -> Iterator[None]:
+    """Fault drill ``drill`` (``<task>:<rank>``) in a task's first attempt only, as a lost pod: once an attempt has
+    failed the drill is taken out of the environment, so the retry's ranks (spawned afresh) run clean. The failed
+    attempt's error goes to ``failures``, then ``check(**inputs)`` runs."""
+    from tasks.data_parallel import FAULT_DRILL_ENV, DataParallelTask
 
-    if drill is not None:
-        os.environ[FAULT_DRILL_ENV] = drill
+    real = DataParallelTask._execute
+
+    def first_attempt_dies(self, **inputs):
         try:
-            with pytest.raises(FlyteRecoverableException) as failed:
-                task(**inputs)
-        finally:
-            del os.environ[FAULT_DRILL_ENV]
-        failures.append(str(failed.value))
-        if drill.startswith("train:"):  # rank 0 waited for the dead rank at the barrier: nothing was committed
-            assert saving.saved_version(inputs["cfg"], inputs["run"], inputs["policy"].step + 1) is None
-    return task(**inputs)
+            return real(self, **inputs)
+        except Exception as err:
+            if os.environ.pop(FAULT_DRILL_ENV, None) is not None:
+                failures.append(str(err))
+                if check is not None:
+                    check(**inputs)
+            raise
+
+    os.environ[FAULT_DRILL_ENV] = drill
+    DataParallelTask._execute = first_attempt_dies
+    try:
+        yield
+    finally:
+        DataParallelTask._execute = real
+        os.environ.pop(FAULT_DRILL_ENV, None)
+
+
+def _attempts(task, drill: str | None, failures: list[str], **inputs):
+    """Call ``task``; with a fault drill, that rank dies in its first attempt (recoverable) and the local executor
+    retries the task with the same inputs, as Flyte does (``tasks.retry``). A failed train attempt must not have
+    saved the step."""
+    from tasks import saving
+
+    def not_saved(cfg, run, policy, **_):  # rank 0 waited for the dead rank at the barrier: nothing was committed
+        assert saving.saved_version(cfg, run, policy.step + 1) is None
+
+    if drill is None:
+        return task(**inputs)
+    before = len(failures)
+    with _rank_dies_once(drill, failures, check=not_saved if drill.startswith("train:") else None):
+        out = task(**inputs)
+    assert len(failures) == before + 1  # the drill fired, and the retry succeeded
+    return out
 
 
 def _run(cfg, *, drills: dict | None = None, failures: list | None = None):
@@ -169,6 +198,28 @@ def test_a_rank_that_dies_fails_the_task_clearly_and_the_retry_ends_as_a_clean_r
         assert [s for s, _ in history] == [s for s, _ in clean[key]], key  # each step once
         if not key.startswith("timing/") and not key.endswith(("_per_s", "generation_time_s")):
             assert history == clean[key], key
+
+
+def test_a_local_run_whose_rank_dies_in_step_1_completes(tmp_path, tiny_model_dir, capfd):
+    """Issue 29: a local run (the workflow called in Python, as ``pyflyte run`` without ``--remote`` runs it) whose
+    train task loses rank 1 in step 1 retries that task, as Flyte does, and completes; it used to end there."""
+    from tests.helpers import metric_steps
+    from workflows.grpo import grpo
+
+    cfg = small_config(
+        tmp_path, tiny_model_dir, policy={"nproc_per_node": 2},
+        grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 1, "val_period": 0},
+        optim={"train_global_batch_size": 4, "train_micro_batch_size": 2},  # on-policy: no policy_logprobs task
+    )
+    assert cfg.on_policy
+    failures: list[str] = []
+    with _rank_dies_once("train:1", failures):
+        summary = grpo(cfg=cfg)
+
+    assert summary.final_step == 1
+    assert len(failures) == 1 and "train: rank 1 of 2 (pid " in failures[0], failures
+    assert "[grpoflow] train: attempt 1 of 3 failed (recoverable: train: rank 1 of 2 (pid " in capfd.readouterr().err
+    assert metric_steps(cfg.tracking.uri, summary.mlflow_run_id, "train/loss") == [1]  # logged once
 
 
 def test_a_rank_that_raises_fails_the_task_with_its_error(tmp_path, tiny_model_dir):

@@ -1,6 +1,6 @@
 """A task that fails after writing part of its output and is retried, as Flyte retries it (same inputs, up to
-the task's ``retries``, only for recoverable errors), leaves the same data plane state, MLflow metrics and
-weights as a clean run.
+the task's ``retries``, only for recoverable errors; the local executor here retries as Flyte does, ``tasks.retry``),
+leaves the same data plane state, MLflow metrics and weights as a clean run.
 
 Faults are injected at real boundaries by wrapping the real function so that it does its work (writes its
 output) and then raises a transient error, once:
@@ -22,28 +22,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
+from flytekit import task
 from flytekit.exceptions.base import FlyteRecoverableException
 
+from tasks.retry import transient_errors_retried
 from tests.helpers import small_config
 
 
-def _retrying(task, **inputs):
-    """Call a task as Flyte would: on a recoverable failure run it again with the same inputs."""
-    for attempt in range(task.metadata.retries + 1):
-        try:
-            return task(**inputs)
-        except FlyteRecoverableException:
-            if attempt == task.metadata.retries:
-                raise
-    raise AssertionError("unreachable")
-
-
 def _run(cfg, *, snapshots: list, attempts: list | None = None):
-    """Two GRPO steps and a validation, task by task in the order of ``grpo_step``."""
+    """Two GRPO steps and a validation, task by task in the order of ``grpo_step``: each call retries its task's
+    recoverable failures."""
     from tasks.advantages import advantages
     from tasks.logprobs import policy_logprobs, reference_logprobs
     from tasks.rollout import rollout
@@ -56,14 +49,14 @@ def _run(cfg, *, snapshots: list, attempts: list | None = None):
     run = dataclasses.replace(start_run(cfg=cfg), run_id="run-retry-test")
     policy = PolicyVersion(step=0, path=run.start_policy_path)
     for step in (1, 2):
-        batch = _retrying(rollout, cfg=cfg, run=run, policy=policy, step=step)
-        prev = _retrying(policy_logprobs, cfg=cfg, run=run, policy=policy, meta=batch)
-        ref = _retrying(reference_logprobs, cfg=cfg, run=run, meta=batch)
-        adv = _retrying(advantages, cfg=cfg, run=run, meta=batch)
+        batch = rollout(cfg=cfg, run=run, policy=policy, step=step)
+        prev = policy_logprobs(cfg=cfg, run=run, policy=policy, meta=batch)
+        ref = reference_logprobs(cfg=cfg, run=run, meta=batch)
+        adv = advantages(cfg=cfg, run=run, meta=batch)
         snapshots.append(_state(cfg, run))  # the step partition, complete, before train clears it
-        policy = _retrying(train, cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
+        policy = train(cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
         snapshots.append(_state(cfg, run))
-    _retrying(validate, cfg=cfg, run=run, policy=policy)
+    validate(cfg=cfg, run=run, policy=policy)
     snapshots.append(_state(cfg, run))
     return run, policy
 
@@ -169,3 +162,58 @@ def test_retried_partial_failures_leave_the_clean_state(tmp_path, tiny_model_dir
     a = load_file(str(Path(clean_policy.path) / "model.safetensors"))
     b = load_file(str(Path(faulty_policy.path) / "model.safetensors"))
     assert all(a[k].equal(b[k]) for k in a)
+
+
+ATTEMPTS_ENV = "GRPOFLOW_TEST_ATTEMPTS"
+"""A file to which each attempt of :func:`connection_drops` adds a line."""
+
+
+@task(retries=2)
+@transient_errors_retried
+def connection_drops(x: int) -> int:
+    """Counts its attempt, then fails with a transient error (recoverable) in every attempt when ``x`` > 0."""
+    with open(os.environ[ATTEMPTS_ENV], "a") as f:
+        f.write("attempt\n")
+    if x > 0:
+        msg = f"injected fault ({x})"
+        raise ConnectionResetError(msg)
+    return x
+
+
+@pytest.mark.integration
+def test_a_pods_attempt_raises_a_recoverable_error_once_and_a_local_run_retries_it(tmp_path, monkeypatch):
+    """Remote executions are unchanged: the task's own command (``pyflyte-execute``, as a pod runs it, in a fresh
+    process) makes one attempt and records the error as recoverable, for Flyte to retry; a local call of the same
+    task makes 1 + ``retries`` attempts (``tasks.retry``)."""
+    import subprocess
+    import sys
+
+    from flyteidl.core import errors_pb2
+    from flytekit.configuration import ImageConfig, SerializationSettings
+    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.models.literals import LiteralMap
+
+    from tests.flyte_pods import ROOT, Pods
+
+    local, pod = tmp_path / "local.txt", tmp_path / "pod.txt"
+    monkeypatch.setenv(ATTEMPTS_ENV, str(local))
+    with pytest.raises(FlyteRecoverableException, match=r"injected fault \(1\)"):
+        connection_drops(x=1)
+    assert local.read_text().count("attempt") == 3
+
+    pod_dir = tmp_path / "pod"
+    (pod_dir / "out").mkdir(parents=True)
+    literal = TypeEngine.to_literal(FlyteContextManager.current_context(), 1, int, TypeEngine.to_literal_type(int))
+    (pod_dir / "inputs.pb").write_bytes(LiteralMap(literals={"x": literal}).to_flyte_idl().SerializeToString())
+    command = connection_drops.get_default_command(SerializationSettings(image_config=ImageConfig.auto_default_image()))
+    args = [Pods._substitute(a, pod_dir) for a in command]
+    args[0] = str(Path(sys.executable).parent / args[0])  # pyflyte-execute of this virtualenv
+    env = {**os.environ, ATTEMPTS_ENV: str(pod), "PYTHONPATH": str(ROOT), "FLYTE_INTERNAL_EXECUTION_ID": "pod0", "FLYTE_ATTEMPT_NUMBER": "0"}
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    doc = errors_pb2.ErrorDocument()
+    doc.ParseFromString((pod_dir / "out" / "error.pb").read_bytes())
+    assert doc.error.kind == errors_pb2.ContainerError.RECOVERABLE, doc
+    assert "injected fault (1)" in doc.error.message
+    assert pod.read_text().count("attempt") == 1, done.stdout[-2000:] + done.stderr[-2000:]  # one attempt: Flyte retries
+    assert "[grpoflow]" not in done.stderr
