@@ -127,9 +127,10 @@ class GRPOSettings(Section):
 
 @dataclass
 class VLLMConfig(Section):
-    gpu_memory_utilization: float = 0.6
-    """Share of the GPU's memory vLLM may take for weights and KV cache (CUDA only); the rest is the trainer's
-    when both share a GPU, as in a local run."""
+    gpu_memory_utilization: float | None = None
+    """Share of the GPU's memory vLLM may take for weights and KV cache (CUDA only). Null: 0.6 where the engine shares
+    its GPU with a trainer (a local run, or ``resources.steps_per_task`` > 1: the rest is the trainer's), 0.9 (vLLM's
+    own default) where it has the GPU alone (a rollout pod), since a larger KV cache holds more sequences at once."""
     cpu_kv_cache_gib: float = 2.0
     """KV cache of vLLM's CPU build in GiB (``VLLM_CPU_KVCACHE_SPACE``). A call never overflows it: requests are
     submitted in waves whose tokens fit (seeded requests cannot be preempted on CPU)."""
@@ -151,8 +152,8 @@ class VLLMConfig(Section):
         check_fields(self)
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             fail("generation.vllm_cfg.max_num_seqs", f"is {self.max_num_seqs}", "use at least 1, or null for the device's default")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            fail("generation.vllm_cfg.gpu_memory_utilization", f"is {self.gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.6")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            fail("generation.vllm_cfg.gpu_memory_utilization", f"is {self.gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.6, or null for the default")
         if self.cpu_kv_cache_gib <= 0:
             fail("generation.vllm_cfg.cpu_kv_cache_gib", f"is {self.cpu_kv_cache_gib}", "use a positive size in GiB, e.g. 2")
         if self.max_model_len < 16:

@@ -10,7 +10,7 @@ setting                    CPU                                         CUDA
 ``dtype``                  ``model.precision`` resolved on the CPU     resolved on CUDA (bfloat16 where supported)
 ``enforce_eager``          always (the CPU build has no CUDA graphs)   ``vllm_cfg.enforce_eager`` (false: CUDA graphs)
 ``max_num_seqs``           ``vllm_cfg.max_num_seqs``, else ``generation.batch_size``, else 64 / vLLM's own default
-``gpu_memory_utilization`` --                                          ``vllm_cfg.gpu_memory_utilization``
+``gpu_memory_utilization`` --                                          ``vllm_cfg``'s; null: 0.6 beside a trainer, else 0.9
 chunked prefill            off while requests are seeded (below)       on
 KV-cache waves             while requests are seeded (below)           never (the scheduler preempts and resumes)
 ``max_num_batched_tokens`` ``max(max_model_len, 4096)``                vLLM's own default
@@ -41,6 +41,14 @@ DEVICES = ("cpu", "cuda")
 CPU_MAX_NUM_SEQS = 64
 """``max_num_seqs`` of the CPU build when neither ``vllm_cfg.max_num_seqs`` nor ``generation.batch_size`` is set (the
 transformers loop's CPU default)."""
+
+SHARED_GPU_MEMORY_UTILIZATION = 0.6
+"""``gpu_memory_utilization`` of an engine beside a trainer on its GPU when ``vllm_cfg`` leaves it null: the rest is the
+trainer's (weights, optimizer state and activations)."""
+
+ALONE_GPU_MEMORY_UTILIZATION = 0.9
+"""``gpu_memory_utilization`` of an engine with its GPU alone (a rollout pod) when ``vllm_cfg`` leaves it null: vLLM's
+own default."""
 
 CPU_MIN_BATCHED_TOKENS = 4096
 """Floor of ``max_num_batched_tokens`` on the CPU, where prefills are scheduled whole: as many per step as fit."""
@@ -181,7 +189,7 @@ def engine_plan(cfg: GRPOConfig, device: str, *, model_max_len: int, shares_gpu:
     engine |= {
         "enforce_eager": v.enforce_eager,
         "enable_chunked_prefill": True,
-        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "gpu_memory_utilization": v.gpu_memory_utilization or (SHARED_GPU_MEMORY_UTILIZATION if shares_gpu else ALONE_GPU_MEMORY_UTILIZATION),
         "enable_sleep_mode": shares_gpu,
     }
     return EnginePlan(device, engine, env, env_defaults, seeded=seeded, waves=False, sleeps=shares_gpu)

@@ -45,13 +45,21 @@ def test_a_gpu_gets_chunked_prefill_no_waves_cuda_graphs_bf16_and_its_memory_sha
         "logprobs_mode": "raw_logprobs",
         "enforce_eager": False,  # CUDA graphs on
         "enable_chunked_prefill": True,
-        "gpu_memory_utilization": 0.6,
+        "gpu_memory_utilization": 0.9,  # null: the GPU is the engine's alone (vLLM's default)
         "enable_sleep_mode": False,
     }  # no max_num_seqs and no max_num_batched_tokens: vLLM's own defaults for the GPU
     assert plan.dtype == "bfloat16"
     # optim.deterministic null resolves to false on CUDA: no seed per request, no waves (CUDA resumes preempted requests)
     assert (plan.seeded, plan.waves, plan.sleeps) == (False, False, False)
     assert plan.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and "VLLM_CPU_KVCACHE_SPACE" not in plan.env_defaults
+
+
+def test_a_gpu_shared_with_a_trainer_leaves_it_memory_unless_told_otherwise():
+    cfg = _cfg("bfloat16")
+    assert engine_plan(cfg, "cuda", model_max_len=8192, shares_gpu=True).engine["gpu_memory_utilization"] == 0.6
+    assert engine_plan(cfg, "cuda", model_max_len=8192, shares_gpu=False).engine["gpu_memory_utilization"] == 0.9
+    told = _cfg("bfloat16", generation={"vllm_cfg": {"gpu_memory_utilization": 0.75}})
+    assert {engine_plan(told, "cuda", model_max_len=8192, shares_gpu=s).engine["gpu_memory_utilization"] for s in (True, False)} == {0.75}
 
 
 def test_a_gpu_takes_its_engine_sizes_from_vllm_cfg_and_sleeps_beside_a_trainer():
