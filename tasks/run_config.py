@@ -58,7 +58,7 @@ class TaskResources(Section):
             fail(f"{where}.accelerator", f"{self.accelerator!r} is not an accelerator name", "use e.g. 'nvidia-h100' or 'nvidia-tesla-a100'")
         for key in ("cpu", "memory", "shared_memory"):
             value = getattr(self, key)
-            if value is not None and (not _QUANTITY.fullmatch(value) or float(re.match(r"[\d.]+", value).group()) <= 0):
+            if value is not None and (not _QUANTITY.fullmatch(value) or quantity(value) <= 0):
                 fail(f"{where}.{key}", f"{value!r} is not a positive Kubernetes quantity", "use e.g. '2', '500m', '16Gi'")
 
 

@@ -70,12 +70,11 @@ def start_run(cfg: RunConfig) -> RunInfo:
 def _check_lengths(cfg: RunConfig, folder: str) -> None:
     """Check the dataset (its first step's problems, and the validation problems) and that those prompts plus
     ``generation.max_new_tokens`` fit the context (:mod:`rl.lengths`); the back-ends check every later prompt too."""
-    from transformers import AutoTokenizer
+    import os
 
     from rl.data import prompt_token_ids, train_problems, val_problems
     from rl.lengths import check_fits, context_limit, model_max_len
-
-    import os
+    from rl.model import load_tokenizer
 
     d = cfg.data
     limit = context_limit(cfg, model_max_len(folder)) if os.path.isdir(folder) else None  # a hub id: its tasks check
@@ -85,7 +84,7 @@ def _check_lengths(cfg: RunConfig, folder: str) -> None:
     if cfg.grpo.val_period or cfg.grpo.val_at_start:
         problems += val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
     if limit is not None:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = load_tokenizer(folder)
         check_fits([len(prompt_token_ids(tokenizer, p.question, d.system_prompt)) for p in problems], cfg.generation.max_new_tokens, *limit)
 
 

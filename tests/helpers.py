@@ -88,6 +88,20 @@ def nested_dict(key: str, value: object) -> dict:
     return data
 
 
+def put_config_on_s3(s3_server: str, monkeypatch: object, key: str, body: bytes) -> str:
+    """Put a config file at ``s3://grpoflow/{key}`` on the loopback S3 server and set the FLYTE_AWS_* variables a Flyte
+    pod reads it with; returns its URL."""
+    import boto3
+    import fsspec
+
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(Bucket="grpoflow", Key=key, Body=body)
+    fsspec.filesystem("s3").clear_instance_cache()
+    monkeypatch.setenv("FLYTE_AWS_ENDPOINT", s3_server)
+    monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("FLYTE_AWS_SECRET_ACCESS_KEY", "testing")
+    return f"s3://grpoflow/{key}"
+
+
 def metric_steps(uri: str, run_id: str, key: str) -> list[int]:
     from mlflow.tracking import MlflowClient
 

@@ -92,17 +92,10 @@ def test_a_cfg_file_url_is_read(pyflyte, tmp_path):
 
 
 def test_a_cfg_file_on_s3_is_read_with_the_flyte_environment(pyflyte, s3_server, monkeypatch):
-    import boto3
-    import fsspec
+    from tests.helpers import put_config_on_s3
 
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(
-        Bucket="grpoflow", Key="configs/zero.yaml", Body=b"grpo:\n  max_num_steps: 0\n"
-    )
-    fsspec.filesystem("s3").clear_instance_cache()
-    monkeypatch.setenv("FLYTE_AWS_ENDPOINT", s3_server)
-    monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("FLYTE_AWS_SECRET_ACCESS_KEY", "testing")
-    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", "s3://grpoflow/configs/zero.yaml")
+    url = put_config_on_s3(s3_server, monkeypatch, "configs/zero.yaml", b"grpo:\n  max_num_steps: 0\n")
+    code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", url)
     assert code == 2 and "Invalid value for '--cfg': config grpo.max_num_steps: is 0" in out
     code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", "s3://grpoflow/configs/nope.yaml")
     assert code == 2 and "config file 's3://grpoflow/configs/nope.yaml': does not exist; check" in out

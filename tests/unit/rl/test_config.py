@@ -421,17 +421,10 @@ def test_env_storage_options_follow_flytekit(monkeypatch):
 
 def test_load_config_reads_s3_with_the_flyte_environment(s3_server, monkeypatch):
     """A config on S3 (moto on loopback), reached as a Flyte pod reaches it: FLYTE_AWS_* in the environment."""
-    import boto3
-    import fsspec
+    from tests.helpers import put_config_on_s3
 
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(
-        Bucket="grpoflow", Key="configs/run.yaml", Body=b"grpo:\n  max_num_steps: 5\n"
-    )
-    fsspec.filesystem("s3").clear_instance_cache()
-    monkeypatch.setenv("FLYTE_AWS_ENDPOINT", s3_server)
-    monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("FLYTE_AWS_SECRET_ACCESS_KEY", "testing")
-    assert load_config("s3://grpoflow/configs/run.yaml").grpo.max_num_steps == 5
+    url = put_config_on_s3(s3_server, monkeypatch, "configs/run.yaml", b"grpo:\n  max_num_steps: 5\n")
+    assert load_config(url).grpo.max_num_steps == 5
     with pytest.raises(ValueError, match=r"^config file 's3://grpoflow/configs/nope.yaml': does not exist; check"):
         load_config("s3://grpoflow/configs/nope.yaml")
     monkeypatch.delenv("FLYTE_AWS_ENDPOINT")  # explicit options replace the environment's
