@@ -207,15 +207,11 @@ def write_advantages(cfg: Any, dp: Any, meta: Any) -> Any:
 
     from dataplane import fields as F
     from dataplane.codec import nested_from_values
-    from rl.advantages import compute_advantages
+    from rl.advantages import advantages_for_step
 
-    cols = dp.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS])
-    g = cfg.grpo
-    adv, _, _ = compute_advantages(
-        cols[F.REWARDS], cols[F.SAMPLE_MASK], group_size=g.num_generations_per_prompt,
-        leave_one_out=g.use_leave_one_out_baseline, normalize_rewards=g.normalize_rewards, advantage_clip=g.advantage_clip,
-    )  # [N]
+    cols = dp.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS, F.PROMPT_LENGTHS])
     lengths = cols[F.INPUT_LENGTHS]  # [N]
+    adv = advantages_for_step(cols[F.REWARDS], cols[F.SAMPLE_MASK], lengths - cols[F.PROMPT_LENGTHS], cfg).advantages  # [N]
     per_token = nested_from_values(torch.repeat_interleave(adv, lengths), lengths)  # [N, L_i]
     return dp.write_columns(meta, {F.ADVANTAGES: per_token}, task_name="advantages")
 

@@ -77,7 +77,7 @@ def ours_config(spec: dict):
                 "reference_policy_kl_type": "k3",
                 "ratio_clip_min": spec["clip"],
                 "ratio_clip_max": spec["clip"],
-                "token_level_loss": True,
+                "loss_type": "dapo",
             },
             "optim": {
                 "lr": spec["lr"],

@@ -36,12 +36,14 @@ def overlong_mask(truncated: torch.Tensor) -> torch.Tensor:
 def seq_mult_prob_error(
     generation_logprobs: torch.Tensor, prev_logprobs: torch.Tensor, token_mask: torch.Tensor
 ) -> torch.Tensor:
-    """[N] per-sequence ``mean_t exp(|gen_t - prev_t|)`` over response tokens (1.0 = exact agreement).
+    """[N] per-sequence ``mean_t exp(|gen_t - prev_t|)`` over response tokens (1.0 = exact agreement; 0 for a row
+    without response tokens). A position outside the mask enters no exp (``exp(100) * 0`` is NaN in float32).
 
     Args:
         generation_logprobs, prev_logprobs: [N, S] float, aligned with input_ids.
         token_mask: [N, S] bool, True on response tokens.
     """
-    m = token_mask.float()  # [N, S]
-    err = torch.exp((generation_logprobs - prev_logprobs).abs()) * m  # [N, S]
+    m = token_mask.bool()  # [N, S]
+    gap = torch.where(m, (generation_logprobs - prev_logprobs).abs(), torch.zeros((), dtype=prev_logprobs.dtype, device=prev_logprobs.device))  # [N, S]
+    err = torch.where(m, torch.exp(gap), torch.zeros((), dtype=gap.dtype, device=gap.device))  # [N, S]
     return err.sum(1) / m.sum(1).clamp(min=1)

@@ -119,7 +119,7 @@ def _step_metrics(meta: KVBatchMeta, metrics: dict[str, float], ready: dict[str,
     info = meta.extra_info
     out = {f"train/{k}": v for k, v in metrics.items()}
     out.update({f"train/{k.removeprefix('rollout/')}": v for k, v in info.items() if k.startswith("rollout/")})
-    out.update({f"train/{k}": v for k, v in info.items() if k.startswith(("advantages/", "baseline_reward/"))})
+    out.update({f"train/{k}": v for k, v in info.items() if k.startswith(("advantages/", "baseline_reward/", "reward_shaping/"))})
     out.update({k: v for k, v in info.items() if k.startswith("timing/")})
     out.update(ready)
     out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get("timing/train/ref_lp", 0.0)

@@ -32,6 +32,7 @@ from rl.loss import (
     accumulate_on_device,
     clipped_pg_loss_with,
     loss_mask,
+    per_sequence_metrics,
 )
 
 LOSS_FIELDS = ("prev_logprobs", "reference_policy_logprobs", "generation_logprobs", "advantages", "token_mask", "sample_mask")
@@ -197,7 +198,7 @@ def micro_batch_loss(logprobs: torch.Tensor, fields: Mapping[str, torch.Tensor],
         token_mask=fields["token_mask"],
         sample_mask=fields["sample_mask"],
     )
-    loss, sums = clipped_pg_loss_with(inputs, cfg.loss, global_valid_toks=global_toks, global_valid_seqs=global_seqs)
+    loss, sums = clipped_pg_loss_with(inputs, cfg.loss, global_valid_toks=global_toks, global_valid_seqs=global_seqs, max_response_tokens=cfg.generation.max_new_tokens)
     errors = seq_mult_prob_error(fields["generation_logprobs"], prev, fields["token_mask"])  # [m]
     return MicroBatchLoss(loss=loss, sums={k: v.detach() for k, v in sums.items()}, errors=errors.detach())
 
@@ -372,9 +373,12 @@ def train_on_batch(
     totals: dict[str, torch.Tensor] = {}  # metric sums, float64 on the device: read once, after the last update
     losses, norms, seq_errors = [], [], []  # per update / per micro-batch, on the device
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+    responding = td["token_mask"].bool().any(1)  # [n] host: a sample without response tokens has no sequence error
+    counted = torch.stack([torch.as_tensor(batch["sample_mask"]).bool(), td["sample_mask"].bool()]) & responding  # [2, n]: before, after the error mask
+    starts = [sum(update_sizes[:u]) for u in range(len(update_sizes))]
     with update_settings(cfg, device):
         engine.train_mode(True)
-        for rows in td.split(list(update_sizes)):
+        for start, rows in zip(starts, td.split(list(update_sizes))):
             mask = loss_mask(rows["token_mask"], rows["sample_mask"])  # host: the counts need no device sync
             counts = distributed.all_reduce(torch.stack([mask.sum().double(), rows["sample_mask"].double().sum()]), group=engine.count_group())  # [2]
             global_toks, global_seqs = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
@@ -387,7 +391,7 @@ def train_on_batch(
             if rows.batch_size[0]:
                 with engine.compute():  # autocast: weights are cast to bf16 once per update, not per micro-batch
                     for where, out in engine.forward_backward(rows, engine.micro_batches(rows, cfg), loss_fn):
-                        seq_errors.append((out.errors, rows["sample_mask"][where]))  # the mask stays on the host
+                        seq_errors.append((out.errors, counted[:, start + where.start : start + where.stop]))  # the masks stay on the host
                         step_loss = step_loss + out.loss.detach().double()
                         accumulate_on_device(totals, out.sums)
             norms.append(engine.finish_gradients(max_norm))
@@ -397,12 +401,12 @@ def train_on_batch(
         engine.train_mode(False)
     optimizer.zero_grad(set_to_none=True)
     sums, losses_, norms_, errors = read_step(totals, losses, norms, seq_errors, device)  # the step's one device -> host copy
-    masked = n - int(td["sample_mask"].bool().sum())
+    masked = int((torch.as_tensor(batch["sample_mask"]).bool() & ~td["sample_mask"].bool()).sum())  # by the error threshold
     if not engine.reports_rows():
-        errors, masked = errors[:0], 0
+        errors, masked = (errors[0][:0], errors[1][:0]), 0
     local = (sums, losses_, errors, masked) if engine.reports() else None
     parts = [p for p in distributed.gather_objects(local) if p is not None]
-    metrics = combine_step_metrics(parts, masking=cfg.loss.seq_logprob_error_threshold is not None)
+    metrics = combine_step_metrics(parts, masking=cfg.loss.seq_logprob_error_threshold is not None, per_sequence=per_sequence_metrics(cfg.loss))
     metrics.update(grad_norm=sum(norms_) / len(norms_), lr=float(scheduler.get_last_lr()[0]))
     return metrics
 
@@ -413,39 +417,47 @@ def read_step(
     norms: list[torch.Tensor],
     seq_errors: list[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
-) -> tuple[dict[str, float], list[float], list[float], torch.Tensor]:
+) -> tuple[dict[str, float], list[float], list[float], tuple[torch.Tensor, torch.Tensor]]:
     """A step's device-side metrics on the host, in one copy: metric sums, the loss and gradient norm of each update,
-    and the [valid n] sequence errors of the samples that count (``seq_errors``: per micro-batch, [m] errors on the
-    device and the [m] host sample mask)."""
+    and the sequence errors of the samples that count before and after the error mask (``seq_errors``: per
+    micro-batch, [m] errors on the device and the [2, m] host masks of the rows to count)."""
     scalars = [*totals.values(), *(x.to(device) for x in losses), *(torch.as_tensor(x).double().reshape(()).to(device) for x in norms)]
     errors = torch.cat([e.double() for e, _ in seq_errors]) if seq_errors else torch.zeros(0, dtype=torch.float64, device=device)
-    valid = torch.cat([m.bool() for _, m in seq_errors]) if seq_errors else torch.zeros(0, dtype=torch.bool)
+    counted = torch.cat([m for _, m in seq_errors], 1) if seq_errors else torch.zeros(2, 0, dtype=torch.bool)  # [2, n]
     flat = torch.cat([torch.stack(scalars).to(errors.device), errors]).cpu().tolist() if scalars else []
     k, u = len(totals), len(losses)
     sums = dict(zip(totals, flat[:k]))
-    host_errors = torch.tensor(flat[k + 2 * u :], dtype=torch.float64)[valid]
-    return sums, flat[k : k + u], flat[k + u : k + 2 * u], host_errors.float()
+    host_errors = torch.tensor(flat[k + 2 * u :], dtype=torch.float64)
+    return sums, flat[k : k + u], flat[k + u : k + 2 * u], (host_errors[counted[0]].float(), host_errors[counted[1]].float())
 
 
-def combine_step_metrics(ranks: list[tuple[dict[str, float], list[float], torch.Tensor, int]], *, masking: bool) -> dict[str, float]:
-    """The step's metrics from every reporting rank's ``(metric sums, loss per update, [valid n] sequence errors,
-    masked rows)``, in rank order: sums over all ranks' tokens divided by the global valid tokens, never a mean of
-    rank means."""
+def combine_step_metrics(
+    ranks: list[tuple[dict[str, float], list[float], tuple[torch.Tensor, torch.Tensor], int]], *, masking: bool, per_sequence: frozenset[str] = frozenset()
+) -> dict[str, float]:
+    """The step's metrics from every reporting rank's ``(metric sums, loss per update, sequence errors before and after
+    the error mask, rows masked by it)``, in rank order: sums over all ranks' tokens divided by the global valid tokens
+    (those in ``per_sequence`` by the valid sequences), never a mean of rank means.
+
+    The sequence errors (NeMo-RL ``compute_and_apply_seq_logprob_error_masking``) are over valid samples with at least
+    one response token: ``{max,mean,min}_seq_mult_prob_error`` before ``loss.seq_logprob_error_threshold`` masks any,
+    and, when it is set, the same ``_after_mask`` and ``num_masked_seqs_by_logprob_error``."""
     totals: dict[str, float] = {}
     for part, *_ in ranks:
         accumulate(totals, part)
     losses = [sum(r[1][g] for r in ranks) for g in range(len(ranks[0][1]))]  # each update's loss: globally normalized
-    errors = torch.cat([r[2] for r in ranks])
-    errors = errors if errors.numel() else torch.ones(1)
     toks = max(totals.pop("valid_toks", 0.0), 1.0)
-    metrics = {k: v / toks for k, v in totals.items() if not k.endswith(("_max", "_min"))}
+    seqs = max(totals.pop("valid_seqs", 0.0), 1.0)
+    metrics = {k: v / (seqs if k in per_sequence else toks) for k, v in totals.items() if not k.endswith(("_max", "_min"))}
     metrics.update({k: v if math.isfinite(v) else math.nan for k, v in totals.items() if k.endswith(("_max", "_min"))})  # no valid token: nan
-    metrics.update(
-        max_seq_mult_prob_error=float(errors.max()),
-        mean_seq_mult_prob_error=float(errors.mean()),
-        min_seq_mult_prob_error=float(errors.min()),
-        num_masked_by_seq_logprob_error=float(sum(r[3] for r in ranks)) if masking else 0.0,
-        loss=sum(losses) / len(losses),
-        global_valid_toks=toks,
-    )
+    for i, suffix in enumerate(("", "_after_mask") if masking else ("",)):
+        errors = torch.cat([r[2][i] for r in ranks])
+        errors = errors if errors.numel() else torch.ones(1)
+        metrics.update({
+            f"max_seq_mult_prob_error{suffix}": float(errors.max()),
+            f"mean_seq_mult_prob_error{suffix}": float(errors.mean()),
+            f"min_seq_mult_prob_error{suffix}": float(errors.min()),
+        })
+    if masking:
+        metrics["num_masked_seqs_by_logprob_error"] = float(sum(r[3] for r in ranks))
+    metrics.update(loss=sum(losses) / len(losses), global_valid_toks=toks)
     return metrics

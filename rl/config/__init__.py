@@ -12,7 +12,12 @@ The cluster's ``resources`` section belongs to the layer that places tasks: ``ta
 
 from rl.config.loading import config_from_dict, config_from_json, env_storage_options, load_config
 from rl.config.sections import (
+    ADV_ESTIMATORS,
     DEFAULT_MODEL,
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_GRADIENTS,
+    KL_TYPES,
+    LOSS_TYPES,
     CheckpointingConfig,
     DataConfig,
     DataPlaneConfig,
@@ -24,12 +29,18 @@ from rl.config.sections import (
     ModelConfig,
     OptimConfig,
     PolicyConfig,
+    RewardShapingConfig,
     TrackingConfig,
     VLLMConfig,
 )
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "DEFAULT_MODEL",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "KL_GRADIENTS",
+    "KL_TYPES",
+    "LOSS_TYPES",
     "CheckpointingConfig",
     "DataConfig",
     "DataPlaneConfig",
@@ -41,6 +52,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "PolicyConfig",
+    "RewardShapingConfig",
     "TrackingConfig",
     "VLLMConfig",
     "config_from_dict",

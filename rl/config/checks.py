@@ -330,8 +330,19 @@ def check_across_sections(cfg: GRPOConfig) -> None:
     Raises:
         ValueError: naming the key to change.
     """
-    if cfg.policy.megatron_cfg.context_parallel_size > 1 and not cfg.loss.token_level_loss:
-        fail("loss.token_level_loss", "is false with policy.megatron_cfg.context_parallel_size > 1", "use the token-level loss: each context-parallel rank sees only part of every sequence")
+    if cfg.policy.megatron_cfg.context_parallel_size > 1 and cfg.loss.loss_type == "grpo":
+        fail(
+            "loss.loss_type",
+            "is 'grpo' (a mean per sequence) with policy.megatron_cfg.context_parallel_size > 1",
+            "use a loss summed over tokens ('dapo', 'dr_grpo' or 'cispo'): each context-parallel rank sees only part of every sequence",
+        )
+    shaping = cfg.grpo.reward_shaping
+    if shaping.enabled and shaping.overlong_buffer_length > cfg.generation.max_new_tokens:
+        fail(
+            "grpo.reward_shaping.overlong_buffer_length",
+            f"{shaping.overlong_buffer_length} is longer than generation.max_new_tokens={cfg.generation.max_new_tokens}",
+            f"use at most {cfg.generation.max_new_tokens} tokens, e.g. {max(1, cfg.generation.max_new_tokens // 5)}",
+        )
     if cfg.grpo.max_trajectory_age_steps > 0 and not cfg.loss.use_importance_sampling_correction:
         fail(
             "loss.use_importance_sampling_correction",

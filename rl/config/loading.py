@@ -16,6 +16,11 @@ from rl.config.sections import GRPOConfig
 
 C = TypeVar("C", bound=GRPOConfig)
 
+RENAMED = {
+    "loss.token_level_loss": "it became loss.loss_type: write loss_type: dapo for token_level_loss: true, loss_type: grpo for false",
+}
+"""Keys an older config may still hold, with what replaced them."""
+
 
 def config_from_dict(data: dict[str, Any], root: type[C] = GRPOConfig) -> C:  # type: ignore[assignment]
     """Build a config from a (partial) nested dict; missing keys take their defaults.
@@ -36,6 +41,10 @@ def config_from_dict(data: dict[str, Any], root: type[C] = GRPOConfig) -> C:  # 
             fail(where or "root", f"expected a mapping, got {type(values).__name__}", "give a nested mapping of sections")
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(known), key=str)
+        for key in unknown:
+            dotted = f"{where}.{key}" if where else str(key)
+            if dotted in RENAMED:
+                fail(dotted, "is no longer a key", RENAMED[dotted])
         if unknown:
             fail(where or "root", f"unknown keys {unknown}", f"use only {sorted(known)}")
         kwargs = {}

@@ -86,7 +86,7 @@ def test_collector_equals_the_rollout_task_path_and_bounds_the_age(tmp_path, tin
     assert metric_steps(cfg_task.tracking.uri, task.mlflow_run_id, "timing/rollout/wait") == []
     # the same weights sample every step on both paths: the same run, bit for bit
     assert _same(_weights(task), _weights(coll))
-    for key in ("train/loss", "train/reward", "train/importance_sampling_weight", "validation/accuracy"):
+    for key in ("train/loss", "train/reward", "train/sampling_importance_ratio", "validation/accuracy"):
         assert _history(cfg_task, task, key) == _history(cfg_coll, coll, key), key
 
     ages = _history(cfg_coll, coll, "train/avg_trajectory_age")
@@ -96,8 +96,8 @@ def test_collector_equals_the_rollout_task_path_and_bounds_the_age(tmp_path, tin
     rewards = _history(cfg_coll, coll, "train/reward")
     assert all(0.0 < r < 1.0 for r in rewards), rewards  # the groups mix rewards: the advantages move the policy
     # off-policy steps (2, 3, 4): pi_old (the trained policy) differs from the sampler, and the correction weights it
-    weights = _history(cfg_coll, coll, "train/importance_sampling_weight")
-    low, high = _history(cfg_coll, coll, "train/importance_sampling_weight_min"), _history(cfg_coll, coll, "train/importance_sampling_weight_max")
+    weights = _history(cfg_coll, coll, "train/sampling_importance_ratio")
+    low, high = _history(cfg_coll, coll, "train/sampling_importance_ratio_min"), _history(cfg_coll, coll, "train/sampling_importance_ratio_max")
     print(f"age {age}: importance weights per step: mean {weights}, min {low}, max {high}")
     assert low[0] == pytest.approx(1.0, abs=1e-5) and high[0] == pytest.approx(1.0, abs=1e-5)  # step 1 is on-policy
     for k in (1, 2, 3):

@@ -19,7 +19,8 @@ STEP_METRICS = [
         "baseline_reward/pct_0", "baseline_reward/pct_1", "baseline_reward/pct_mixed",
         "dynamic_sampling_num_gen_batches", "dynamic_sampling_num_discarded_valid_samples",
         "probs_ratio", "probs_ratio_clamped", "kl_penalty", "token_mult_prob_error", "approx_entropy", "lr",
-        "global_valid_toks", "generated_tokens_per_s",
+        "global_valid_toks", "generated_tokens_per_s", "sampling_importance_ratio", "clip_fraction/low", "clip_fraction/high",
+        "max_seq_mult_prob_error", "mean_seq_mult_prob_error", "min_seq_mult_prob_error",
     )),
     *(f"timing/train/{k}" for k in (
         "total_step_time", "generation", "policy_and_reference_logprobs", "advantage_calculation",
@@ -148,3 +149,39 @@ def test_a_retried_multi_step_task_trains_again_what_its_first_attempt_did_not_f
 
     assert losses(cfg.tracking.uri, run.mlflow_run_id) == losses(clean_cfg.tracking.uri, clean.mlflow_run_id)
     assert [s for s, _ in losses(cfg.tracking.uri, run.mlflow_run_id)] == [1, 2, 3, 4]
+
+
+@pytest.mark.integration
+def test_a_variant_run_trains_with_the_advantages_its_config_asks_for(tmp_path, tiny_model_dir):
+    """GSPO with two updates per step (the second off-policy), REINFORCE++ advantages and DAPO's overlong shaping
+    through the real workflow: the kept rollouts' advantages are the estimator's on the shaped rewards of their
+    response lengths, and the penalty, the clip fractions and the importance ratio are logged at every step."""
+    import pyarrow.parquet as pq
+    from mlflow.tracking import MlflowClient
+
+    from rl.advantages import advantages_for_step, overlong_penalty
+    from workflows.grpo import grpo
+
+    cfg = small_config(
+        tmp_path, tiny_model_dir,
+        grpo={"adv_estimator": "reinforce_plus_plus", "reward_shaping": {"enabled": True, "overlong_buffer_length": 6}},
+        loss={"loss_type": "grpo", "importance_sampling_level": "sequence"},
+        optim={"lr": 1e-3, "train_micro_batch_size": 4, "logprob_batch_size": 8, "train_global_batch_size": 8},
+        dataplane={"root": str(tmp_path / "dp"), "keep_rollouts": True},
+    )
+    summary = grpo(cfg=cfg)
+    assert summary.final_step == 2
+    client = MlflowClient(cfg.tracking.uri)
+    for step in (1, 2):
+        table = pq.read_table(tmp_path / "dp" / summary.run_id / "rollouts" / f"step_{step:06d}.parquet").to_pydict()
+        lengths = torch.tensor(table["response_lengths"])
+        rewards = torch.tensor(table["rewards"], dtype=torch.float32)
+        want = advantages_for_step(rewards, torch.tensor(table["sample_mask"]), lengths, cfg).advantages
+        assert torch.equal(torch.tensor(table["advantages"], dtype=torch.float32), want), step
+        penalty = overlong_penalty(lengths, max_response_length=8, overlong_buffer_length=6, overlong_buffer_penalty=1.0)
+        logged = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "train/reward_shaping/overlong_penalty")}
+        assert logged[step] == pytest.approx(float(penalty.mean()), abs=1e-6) and float(penalty.min()) < 0
+    for key in ("train/sampling_importance_ratio", "train/clip_fraction/low", "train/clip_fraction/high", "train/approx_entropy"):
+        assert metric_steps(cfg.tracking.uri, summary.mlflow_run_id, key) == [1, 2], key
+    ratios = [m.value for m in client.get_metric_history(summary.mlflow_run_id, "train/probs_ratio")]
+    assert max(abs(r - 1) for r in ratios) > 1e-4  # the second update of a step trained on prev_logprobs of older weights

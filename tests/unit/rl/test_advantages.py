@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 
-from rl.advantages import baseline_and_std, compute_advantages
+from rl.advantages import advantages_for_step, baseline_and_std, compute_advantages, overlong_penalty, reinforce_plus_plus_advantages
 
 
 def _loop_reference(rewards, mask, g, loo, normalize, clip=None, eps=1e-6):
@@ -102,3 +103,133 @@ def test_advantage_clip_hand_computed():
     assert free[0].item() == pytest.approx(3.75)
     assert clipped[0].item() == pytest.approx(2.0)
     assert clipped[1:].tolist() == pytest.approx([-0.25] * 15)
+
+
+# ------------------------------------------------------------------- all-equal rewards: exact, in both dtypes
+def _exact_advantages(values: list[Fraction], g: int, loo: bool, eps: Fraction) -> list[tuple[Fraction, bool]]:
+    """Per sample of one group: ``(A, exact)``. Where the set behind a sample's baseline holds one value, A = r - that
+    value with no division (std 0), exactly; elsewhere A = (r - mean) / (std + eps) with the Bessel std as a float64
+    square root of the exact variance (then only close)."""
+    out = []
+    for i in range(g):
+        others = [values[j] for j in range(g) if not (loo and j == i)]
+        mean = sum(others, Fraction(0)) / len(others)
+        if len(set(others)) == 1:
+            out.append((values[i] - others[0], True))
+            continue
+        var = sum(((x - mean) ** 2 for x in others), Fraction(0)) / (len(others) - 1)
+        out.append(((values[i] - mean) / (Fraction(math.sqrt(var)) + eps), False))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("loo", [True, False])
+def test_equal_partial_credit_sweep_is_exact(dtype, loo):
+    # every credit k/m (m <= 9) as the reward of a whole group, and of a group with one 0 or one 1 among them, for
+    # G = 4, 8, 16: a set of equal rewards divides by nothing and takes its value exactly as its baseline (before, the
+    # float32 mean of [2/3] * 7 was one ulp off, its std ~1e-8 passed `std > 0`, and [1, 2/3 x 7] gave A = 313,171)
+    credits = sorted({Fraction(k, m) for m in range(1, 10) for k in range(m + 1)})
+    groups = []
+    for g in (4, 8, 16):
+        for c in credits:
+            groups += [(g, [c] * g), (g, [Fraction(1)] + [c] * (g - 1)), (g, [Fraction(0)] + [c] * (g - 1))]
+    checked = 0
+    for g, exact_values in groups:
+        rewards = torch.tensor([float(x) for x in exact_values], dtype=dtype)  # each credit rounded to the dtype, once
+        stored = [Fraction(x) for x in rewards.tolist()]  # the rounded values, exactly
+        adv, _, std = compute_advantages(rewards, torch.ones(g, dtype=torch.bool), group_size=g, leave_one_out=loo)
+        for i, (want, exact) in enumerate(_exact_advantages(stored, g, loo, Fraction(1e-6))):
+            got = adv[i].item()
+            if exact:
+                rounded = torch.tensor(float(want), dtype=torch.float64).to(dtype).item()  # the exact value, rounded once
+                assert got == rounded and std[i].item() == 0.0, (g, [float(x) for x in exact_values], i, got, float(want))
+                checked += 1
+            else:
+                assert got == pytest.approx(float(want), rel=2e-5 if dtype == torch.float32 else 1e-12), (g, i)
+    assert checked >= 3 * 28 * 4  # every sample of every all-equal group, at least
+
+
+def test_the_issues_cases():
+    ones = torch.ones(16, dtype=torch.bool)
+    adv, _, _ = compute_advantages(torch.tensor([1.0] + [2 / 3] * 7), ones[:8], group_size=8)
+    assert adv[0].item() == pytest.approx(1 / 3, rel=1e-6)  # was 313,171
+    adv, _, _ = compute_advantages(torch.tensor([0.0] + [0.1] * 15), ones, group_size=16)
+    assert adv[0].item() == pytest.approx(-0.1, rel=1e-6)  # was -99,235
+    adv, _, _ = compute_advantages(torch.tensor([0.7] * 8), ones[:8], group_size=8)
+    assert torch.equal(adv, torch.zeros(8))  # was +0.056 each
+
+
+def test_binary_rewards_give_the_same_advantages_as_before_bit_for_bit():
+    # with 0/1 rewards every sum is exact: the constant-set rule changes no bit (the default run's batches)
+    gen = torch.Generator().manual_seed(0)
+    rewards = (torch.rand(64, generator=gen) > 0.6).float()
+    mask = torch.rand(64, generator=gen) > 0.1
+    for loo in (True, False):
+        adv, _, _ = compute_advantages(rewards, mask, group_size=8, leave_one_out=loo)
+        r, v = rewards.view(-1, 8), mask.float().view(-1, 8)
+        w = v[:, None, :].expand(-1, 8, -1).clone() * ((1 - torch.eye(8))[None] if loo else 1)
+        count = w.sum(-1)
+        mean = (w * r[:, None, :]).sum(-1) / count.clamp(min=1)
+        std = torch.where(count > 1, ((w * (r[:, None, :] - mean[..., None]) ** 2).sum(-1) / (count - 1).clamp(min=1)).sqrt(), 0.0)
+        degenerate = (v.sum(-1, keepdim=True) <= 1) | (count < 1)
+        base = torch.where(degenerate, r, mean)
+        std = torch.where(degenerate, 0.0, std)
+        old = torch.where(std > 0, (r - base) / (std + 1e-6), r - base).reshape(-1) * mask.float()  # the code before the rule
+        assert torch.equal(adv, old)
+
+
+# ------------------------------------------------------------------- REINFORCE++ and overlong shaping
+def test_reinforce_plus_plus_hand_computed():
+    # groups [1, 0] and [1, 1] (G = 2), 2 response tokens each: a = r - group mean = [0.5, -0.5, 0, 0]
+    # token-weighted batch mean 0, variance (2 * 0.25 * 2) / 8 = 0.125: A = a / sqrt(0.125) = [1.41421, -1.41421, 0, 0]
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    adv, base, std = reinforce_plus_plus_advantages(r, torch.ones(4, dtype=torch.bool), torch.tensor([2, 2, 2, 2]), group_size=2)
+    assert adv.tolist() == pytest.approx([math.sqrt(2), -math.sqrt(2), 0.0, 0.0])
+    assert base.tolist() == [0.5, 0.5, 1.0, 1.0] and std.tolist() == pytest.approx([math.sqrt(0.125)] * 4)
+    # longer responses weigh more: lengths [3, 1, 1, 1]: mean (1.5 - 0.5) / 6 = 1/6, A_0 = (0.5 - 1/6) / sqrt(var)
+    adv, _, _ = reinforce_plus_plus_advantages(r, torch.ones(4, dtype=torch.bool), torch.tensor([3, 1, 1, 1]), group_size=2)
+    mu = 1 / 6
+    var = (3 * (0.5 - mu) ** 2 + (-0.5 - mu) ** 2 + 2 * mu**2) / 6
+    assert adv.tolist() == pytest.approx([(0.5 - mu) / math.sqrt(var), (-0.5 - mu) / math.sqrt(var), -mu / math.sqrt(var), -mu / math.sqrt(var)])
+
+
+def test_reinforce_plus_plus_matches_a_loop_and_skips_invalid_samples():
+    gen = torch.Generator().manual_seed(4)
+    r = torch.rand(24, generator=gen, dtype=torch.float64).round(decimals=1)
+    mask = torch.rand(24, generator=gen) > 0.2
+    lengths = torch.randint(0, 9, (24,), generator=gen)
+    adv, _, _ = reinforce_plus_plus_advantages(r, mask, lengths, group_size=4, advantage_clip=2.5)
+    a = []
+    for i in range(24):
+        grp = [j for j in range(i // 4 * 4, i // 4 * 4 + 4) if mask[j]]
+        a.append(float(r[i]) - sum(float(r[j]) for j in grp) / len(grp) if len(grp) > 1 else 0.0)
+    w = [int(lengths[i]) if mask[i] else 0 for i in range(24)]
+    mu = sum(wi * ai for wi, ai in zip(w, a)) / sum(w)
+    sd = math.sqrt(max(sum(wi * (ai - mu) ** 2 for wi, ai in zip(w, a)) / sum(w), 1e-8))
+    want = [min(max((ai - mu) / sd, -2.5), 2.5) if mask[i] else 0.0 for i, ai in enumerate(a)]
+    assert adv.tolist() == pytest.approx(want, abs=1e-12)
+
+
+def test_overlong_penalty_hand_computed():
+    # L_max 32, L_cache 8: no penalty up to 24 tokens, then -(len - 24) / 8 * 0.5
+    lengths = torch.tensor([0, 24, 25, 28, 32])
+    got = overlong_penalty(lengths, max_response_length=32, overlong_buffer_length=8, overlong_buffer_penalty=0.5)
+    assert got.tolist() == [0.0, 0.0, -0.0625, -0.25, -0.5]
+
+
+def test_the_step_applies_shaping_then_the_chosen_estimator():
+    from rl.config import config_from_dict
+
+    r = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    lengths = torch.tensor([32, 4, 4, 4])
+    mask = torch.ones(4, dtype=torch.bool)
+    cfg = config_from_dict({"grpo": {"num_generations_per_prompt": 4, "reward_shaping": {"enabled": True}}})
+    step = advantages_for_step(r, mask, lengths, cfg)
+    assert step.overlong_penalty.tolist() == [-1.0, 0.0, 0.0, 0.0]  # the first response used the whole budget
+    assert torch.equal(step.advantages, compute_advantages(torch.tensor([0.0, 1.0, 0.0, 0.0]), mask, group_size=4)[0])
+    plain = advantages_for_step(r, mask, lengths, config_from_dict({"grpo": {"num_generations_per_prompt": 4}}))
+    assert torch.equal(plain.overlong_penalty, torch.zeros(4)) and torch.equal(plain.advantages, compute_advantages(r, mask, group_size=4)[0])
+    rpp = advantages_for_step(r, mask, lengths, config_from_dict({"grpo": {"num_generations_per_prompt": 4, "adv_estimator": "reinforce_plus_plus"}}))
+    assert torch.equal(rpp.advantages, reinforce_plus_plus_advantages(r, mask, lengths, group_size=4)[0])
+    dr = advantages_for_step(r, mask, lengths, config_from_dict({"grpo": {"num_generations_per_prompt": 4, "use_leave_one_out_baseline": False, "normalize_rewards": False}}))
+    assert dr.advantages.tolist() == [0.5, 0.5, -0.5, -0.5]  # Dr. GRPO: r - group mean

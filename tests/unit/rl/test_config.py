@@ -21,7 +21,8 @@ def test_defaults_are_valid_and_json_safe():
     [
         ("grpo", {"num_generations_per_prompt": 1}, "at least 2"),
         ("loss", {"reference_policy_kl_type": "k9"}, "use 'k1', 'k2' or 'k3'"),
-        ("loss", {"ratio_clip_max": 1.5}, "ratio_clip_max"),
+        ("loss", {"ratio_clip_max": -0.1}, r"^config loss.ratio_clip_max: is -0.1; use a value >= 0"),
+        ("loss", {"ratio_clip_min": 1.5}, r"^config loss.ratio_clip_min: is 1.5; use a value in \[0, 1\]"),
         ("loss", {"ratio_clip_c": 0.5}, "ratio_clip_c"),
         ("optim", {"lr": 0}, "positive learning rate"),
         ("optim", {"train_global_batch_size": 12, "train_micro_batch_size": 8}, "multiple"),
@@ -58,6 +59,18 @@ def test_defaults_are_valid_and_json_safe():
         ("tracking", {"uri": "htp://host:5000"}, r"^config tracking.uri: 'htp://host:5000' has the scheme 'htp', which no MLflow tracking store reads"),
         ("tracking", {"uri": "runs/mlflow.db"}, r"^config tracking.uri: 'runs/mlflow.db' is a path to a database file.*; write 'sqlite:///runs/mlflow.db'"),
         ("tracking", {"uri": "htp://u:hush@host"}, r"'htp://\*\*\*@host' has the scheme"),
+        # the variants: unknown names, and combinations that cannot work
+        ("grpo", {"adv_estimator": "rloo"}, r"^config grpo.adv_estimator: is 'rloo'; use one of \['grpo', 'reinforce_plus_plus'\] \(RLOO and Dr. GRPO are settings of 'grpo'\)"),
+        ("loss", {"loss_type": "bnpo"}, r"^config loss.loss_type: is 'bnpo'; use one of \['dapo', 'grpo', 'dr_grpo', 'cispo'\]"),
+        ("loss", {"importance_sampling_level": "seq"}, r"^config loss.importance_sampling_level: is 'seq'; use one of"),
+        ("loss", {"reference_policy_kl_gradient": "forward"}, r"^config loss.reference_policy_kl_gradient: is 'forward'; use one of \['estimator', 'reverse_kl'\]"),
+        ("loss", {"reference_policy_kl_type": "k1"}, r"^config loss.reference_policy_kl_type: is 'k1' with reference_policy_kl_gradient 'estimator'.*expected gradient of 0.*; set reference_policy_kl_gradient: reverse_kl"),
+        ("loss", {"importance_sampling_level": "sequence"}, r"^config loss.importance_sampling_level: is 'sequence' \(GSPO\) with loss_type 'dapo'.*; set loss_type: grpo"),
+        ("loss", {"loss_type": "cispo", "ratio_clip_c": 3.0}, r"^config loss.ratio_clip_c: is set with loss_type 'cispo'.*; set ratio_clip_c: null"),
+        ("loss", {"token_level_loss": False}, r"^config loss.token_level_loss: is no longer a key; it became loss.loss_type: write loss_type: dapo for token_level_loss: true, loss_type: grpo for false"),
+        ("grpo", {"reward_shaping": {"enabled": True, "overlong_buffer_length": 64}}, r"^config grpo.reward_shaping.overlong_buffer_length: 64 is longer than generation.max_new_tokens=32; use at most 32 tokens, e.g. 6"),
+        ("grpo", {"reward_shaping": {"overlong_buffer_length": 0}}, r"^config grpo.reward_shaping.overlong_buffer_length: is 0; use at least 1 token"),
+        ("grpo", {"reward_shaping": {"overlong_buffer_penalty": -1}}, r"^config grpo.reward_shaping.overlong_buffer_penalty: is -1.0; use a penalty >= 0"),
     ],
 )
 def test_bad_values_fail_with_a_fix(section, values, match):
@@ -71,8 +84,29 @@ def test_megatron_sizes_split_the_ranks_of_a_task():
     )
     assert (cfg.policy.world_size, cfg.policy.megatron_cfg.model_parallel_size, cfg.policy.data_parallel_size) == (16, 4, 4)
     assert config_from_dict({"policy": {"nproc_per_node": 2}}).policy.data_parallel_size == 2  # transformers: every rank a replica
-    with pytest.raises(ValueError, match=r"loss.token_level_loss: is false with policy.megatron_cfg.context_parallel_size > 1; use the token-level loss"):
-        config_from_dict({"policy": {"backend": "megatron", "nproc_per_node": 2, "megatron_cfg": {"context_parallel_size": 2}}, "loss": {"token_level_loss": False}})
+    with pytest.raises(ValueError, match=r"loss.loss_type: is 'grpo' \(a mean per sequence\) with policy.megatron_cfg.context_parallel_size > 1; use a loss summed over tokens"):
+        config_from_dict({"policy": {"backend": "megatron", "nproc_per_node": 2, "megatron_cfg": {"context_parallel_size": 2}}, "loss": {"loss_type": "grpo"}})
+
+
+def test_every_variant_combines_with_async_data_parallel_ranks_and_megatron():
+    variants = [
+        {"loss": {"loss_type": t}} for t in ("dapo", "grpo", "dr_grpo", "cispo")
+    ] + [
+        {"loss": {"loss_type": "grpo", "importance_sampling_level": level}} for level in ("sequence", "sequence_token")
+    ] + [
+        {"loss": {"reference_policy_kl_type": "k1", "reference_policy_kl_gradient": "reverse_kl"}},
+        {"grpo": {"adv_estimator": "reinforce_plus_plus", "reward_shaping": {"enabled": True}}},
+    ]
+    around = {
+        "grpo": {"max_trajectory_age_steps": 1},
+        "loss": {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0},
+        "policy": {"backend": "megatron", "nproc_per_node": 4, "megatron_cfg": {"tensor_model_parallel_size": 2}},
+        "optim": {"train_global_batch_size": 16},
+    }
+    for variant in variants:
+        merged = {k: {**around.get(k, {}), **variant.get(k, {})} for k in {*around, *variant}}
+        cfg = config_from_dict(merged)
+        assert cfg.policy.data_parallel_size == 2 and cfg.grpo.max_trajectory_age_steps == 1
 
 
 def test_global_batch_must_divide_step():

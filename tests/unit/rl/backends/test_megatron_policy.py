@@ -29,7 +29,7 @@ class _Tokenizer:
         del folder
 
 
-def _cfg(root: str, backend: str, tp: int = 1, pp: int = 1, world: int | None = None):
+def _cfg(root: str, backend: str, tp: int = 1, pp: int = 1, world: int | None = None, loss: dict | None = None):
     policy = {"backend": backend}
     if backend == "megatron":
         policy |= {"nproc_per_node": world or tp * pp, "megatron_cfg": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
@@ -39,7 +39,7 @@ def _cfg(root: str, backend: str, tp: int = 1, pp: int = 1, world: int | None = 
             "policy": policy,
             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
             "optim": {"lr": 1e-3, "train_micro_batch_size": 3, "logprob_batch_size": 3, "max_grad_norm": 1.0},
-            "loss": {"reference_policy_kl_penalty": 0.1},
+            "loss": {"reference_policy_kl_penalty": 0.1, **(loss or {})},
             "dataplane": {"root": root},
         }
     )
@@ -161,6 +161,62 @@ def test_megatron_matches_the_transformers_backend_and_resumes_exactly(model_dir
     moved = max(float((weights[k] - _initial(model_dir)[k]).abs().max()) for k in _initial(model_dir))
     assert moved > 3e-3  # the updates moved the weights: the comparison is not between untouched models
     assert all(torch.equal(ranks[0]["continued"][k], ranks[0]["resumed"][k]) for k in weights)  # the checkpoint resumes exactly
+
+
+VARIANT_LOSSES = {
+    "gspo_reverse_k1_corrected": {
+        "loss_type": "grpo", "importance_sampling_level": "sequence", "ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4,
+        "reference_policy_kl_type": "k1", "reference_policy_kl_gradient": "reverse_kl", "use_importance_sampling_correction": True,
+    },
+    "cispo": {"loss_type": "cispo", "ratio_clip_min": 1.0, "ratio_clip_max": 0.01},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+}
+
+
+def _variant_batch(logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Generation logprobs off the trainer's: the importance weights and (in the second update) the ratios move."""
+    g = torch.Generator().manual_seed(1)
+    batch = _train_batch(logprobs)
+    return {**batch, "generation_logprobs": logprobs + 0.05 * torch.randn(logprobs.shape, generator=g) * batch["token_mask"]}
+
+
+def _variant_rank(rank: int, world: int, model_dir: str, folder: str, prev: torch.Tensor, loss: dict) -> None:
+    import torch.distributed as dist
+
+    from rl.backends.megatron.policy import MegatronPolicy
+    from tests.megatron_cpu import megatron_on_cpu
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    with megatron_on_cpu():
+        policy = MegatronPolicy(_cfg(folder, "megatron", tp=2, loss=loss), tokenizer=_Tokenizer(), reference_path=model_dir)
+        policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=True)
+        metrics = _steps(policy, _variant_batch(prev), 1)
+        policy.prepare_checkpoint(with_trainer_state=False)
+        torch.save({"metrics": metrics, "weights": dict(policy.named_weights()) if rank == 0 else None}, f"{folder}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANT_LOSSES))
+def test_megatron_trains_the_loss_variants_as_the_transformers_backend(model_dir, transformers_backend, tmp_path, variant):
+    """GSPO with NeMo-RL's KL gradient and the off-policy correction, CISPO with its weight clipped, Dr. GRPO: two
+    tensor-parallel ranks make the transformers back-end's update (two optimizer updates, the second off-policy)."""
+    import torch.multiprocessing as mp
+
+    from rl.backends.hf.policy import HFPolicy
+
+    loss = VARIANT_LOSSES[variant]
+    prev = transformers_backend["logprobs"]
+    hf = HFPolicy(_cfg(str(tmp_path / "hf"), "transformers", loss=loss), tokenizer=_Tokenizer(), reference_path=model_dir)
+    hf.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=True)
+    (want,) = _steps(hf, _variant_batch(prev), 1)
+    mp.spawn(_variant_rank, args=(2, model_dir, str(tmp_path), prev, loss), nprocs=2, join=True)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    for key in ("loss", "grad_norm", "kl_penalty", "probs_ratio", "sampling_importance_ratio", "clip_fraction/low", "clip_fraction/high", "approx_entropy"):
+        assert got["metrics"][0][key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+    assert abs(want["probs_ratio"] - 1) > 1e-3  # the second update ran off-policy (its ratios left GSPO's clip range)
+    weights = dict(hf.named_weights())
+    assert max(float((got["weights"][k] - weights[k]).abs().max()) for k in weights) < 1e-4
 
 
 def _initial(model_dir: str) -> dict[str, torch.Tensor]:
