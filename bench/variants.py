@@ -1,6 +1,6 @@
 """What each GRPO variant does on one task: held-out greedy accuracy after the same number of steps, several seeds each.
 
-    python -m bench.variants [--steps 20] [--seeds 1 2 3] [--variants default grpo dr_grpo dapo gspo cispo]
+    python -m bench.variants [--steps 10] [--seeds 1 2 3] [--variants default grpo dr_grpo dapo gspo cispo]
 
 Each run is `configs/learning.yaml` (SmolLM2-135M-Instruct on reasoning-gym chain_sum, 200 questions held out by
 content) with a variant's keys on top (`configs/variants/<name>.yaml`; ``default`` adds none), ``--steps`` steps,
@@ -108,7 +108,7 @@ def summarize(results: list[dict], steps: int, seeds: list[int], variants: list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10, help="GRPO steps per run (4 optimizer updates each)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--raw-dir", default="runs/bench_variants", help="one JSON result per run (an existing one is not run again)")

@@ -210,7 +210,7 @@ def overlong_penalty(
         [N] float32, <= 0.
     """
     exceed = response_lengths.to(torch.float32) - (max_response_length - overlong_buffer_length)  # [N]
-    return (-exceed / overlong_buffer_length * overlong_buffer_penalty).clamp(max=0.0)
+    return torch.where(exceed > 0, -exceed / overlong_buffer_length * overlong_buffer_penalty, 0.0)  # [N]
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ STEP_SHAPE = {
 }
 
 
-def _cfg(root: Path, model: str, ranks: int):
-    return small_config(root, model, **STEP_SHAPE, policy={"nproc_per_node": ranks})
+def _cfg(root: Path, model: str, ranks: int, loss: dict | None = None):
+    return small_config(root, model, **STEP_SHAPE, policy={"nproc_per_node": ranks}, **({"loss": loss} if loss else {}))
 
 
 def _set_advantages(cfg, run, meta) -> None:
@@ -98,8 +98,8 @@ def _attempts(task, drill: str | None, failures: list[str], **inputs):
     return out
 
 
-def _run(cfg, *, drills: dict | None = None, failures: list | None = None):
-    """Two GRPO steps, task by task. Returns the run, its final policy, and per step the logprob columns by sample id
+def _run(cfg, *, drills: dict | None = None, failures: list | None = None, steps: tuple[int, ...] = (1, 2)):
+    """GRPO ``steps``, task by task. Returns the run, its final policy, and per step the logprob columns by sample id
     and the weights the step saved."""
     from dataplane import fields as F
     from dataplane.client import DataPlane
@@ -114,7 +114,7 @@ def _run(cfg, *, drills: dict | None = None, failures: list | None = None):
     run = dataclasses.replace(start_run(cfg=cfg), run_id="run-dp-test")  # one id: sample ids hash it
     policy = PolicyVersion(step=0, path=run.start_policy_path)
     columns, weights = {}, {}
-    for step in (1, 2):
+    for step in steps:
         batch = rollout(cfg=cfg, run=run, policy=policy, step=step)
         prev = _attempts(policy_logprobs, drills.get(("policy_logprobs", step)), failures, cfg=cfg, run=run, policy=policy, meta=batch)
         ref = _attempts(reference_logprobs, drills.get(("reference_logprobs", step)), failures, cfg=cfg, run=run, meta=batch)
@@ -171,6 +171,21 @@ def test_two_ranks_train_as_one_rank_and_log_the_same_metrics(tmp_path, tiny_mod
             assert a == b, key
         elif key.startswith("train/") and not key.endswith(("_per_s", "generation_time_s")):
             assert b == pytest.approx(a, rel=1e-4, abs=1e-6), key
+
+
+def test_two_ranks_train_gspo_as_one_rank(tmp_path, tiny_model_dir):
+    """GSPO, whose ratio and loss are per sequence and whose importance-ratio metric is a mean over sequences, with the
+    off-policy correction: each rank holds whole sequences, and the counts and sums over ranks give one rank's update."""
+    gspo = {"loss_type": "grpo", "importance_sampling_level": "sequence", "use_importance_sampling_correction": True}
+    cfg1, cfg2 = (_cfg(tmp_path / str(ranks), tiny_model_dir, ranks, loss=gspo) for ranks in (1, 2))
+    (run1, _, _, weights1), (run2, _, _, weights2) = _run(cfg1, steps=(1,)), _run(cfg2, steps=(1,))
+    w0 = _weights(PolicyVersion(0, run1.start_policy_path))
+    moved = max(float((weights1[1][k] - w0[k]).abs().max()) for k in w0)
+    differs = max(float((weights1[1][k] - weights2[1][k]).abs().max()) for k in w0)
+    assert moved > 5e-4 and differs < 1e-5, (moved, differs)
+    m1, m2 = _metrics(cfg1.tracking.uri, run1.mlflow_run_id), _metrics(cfg2.tracking.uri, run2.mlflow_run_id)
+    for key in ("train/loss", "train/grad_norm", "train/sampling_importance_ratio", "train/clip_fraction/low", "train/clip_fraction/high"):
+        assert m2[key][0][1] == pytest.approx(m1[key][0][1], rel=1e-4, abs=1e-6), key
 
 
 def test_a_rank_that_dies_fails_the_task_clearly_and_the_retry_ends_as_a_clean_run(tmp_path, tiny_model_dir, two_ranks):

@@ -233,3 +233,22 @@ def test_the_step_applies_shaping_then_the_chosen_estimator():
     assert torch.equal(rpp.advantages, reinforce_plus_plus_advantages(r, mask, lengths, group_size=4)[0])
     dr = advantages_for_step(r, mask, lengths, config_from_dict({"grpo": {"num_generations_per_prompt": 4, "use_leave_one_out_baseline": False, "normalize_rewards": False}}))
     assert dr.advantages.tolist() == [0.5, 0.5, -0.5, -0.5]  # Dr. GRPO: r - group mean
+
+
+def test_reinforce_plus_plus_edges_equal_group_invalid_sample_and_empty_response():
+    # groups (G = 2): [1, 0] with 2 tokens each; [0.5, 0.5] (equal: a = 0); [1, <invalid>]; [0 with no response token, 1 with 4]
+    #   a = [0.5, -0.5, 0, 0, 0, -, -0.5, 0.5]; the group of one valid sample gets a = 0; the empty response weighs 0
+    #   weights n = [2, 2, 2, 2, 2, 0, 0, 4]: mu = (1 - 1 + 0 + 0 + 0 + 0 + 2) / 14 = 1/7
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 7.0, 0.0, 1.0], dtype=torch.float64)
+    mask = torch.tensor([True, True, True, True, True, False, True, True])
+    n = torch.tensor([2, 2, 2, 2, 2, 2, 0, 4])
+    adv, _, _ = reinforce_plus_plus_advantages(r, mask, n, group_size=2)
+    a = [0.5, -0.5, 0.0, 0.0, 0.0, 0.0, -0.5, 0.5]
+    w = [2, 2, 2, 2, 2, 0, 0, 4]
+    mu = sum(x * y for x, y in zip(w, a)) / 14
+    sd = math.sqrt(sum(x * (y - mu) ** 2 for x, y in zip(w, a)) / 14)
+    want = [(y - mu) / sd for y in a]
+    want[5] = 0.0  # invalid
+    assert mu == pytest.approx(1 / 7)
+    assert adv.tolist() == pytest.approx(want, abs=1e-12)
+    assert adv[2] == adv[3] == adv[4] < 0  # an equal group is not 0 here: -mu / sigma (unlike GRPO)
