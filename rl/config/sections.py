@@ -539,13 +539,13 @@ class GRPOConfig(Section):
     data: DataConfig = field(default_factory=DataConfig)
     """The reasoning-gym problems: dataset, seeds, validation split, system prompt."""
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
-    """The GRPO loop: prompts and completions per step, steps, validation, advantages."""
+    """The GRPO loop: prompts and completions per step, steps, validation, advantages and their estimator."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Rollout generation: back-end, sampling, lengths."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """The policy's back-end (logprobs and training)."""
     loss: LossConfig = field(default_factory=LossConfig)
-    """The clipped policy-gradient loss and its KL penalty."""
+    """The policy loss (GRPO, DAPO, Dr. GRPO, GSPO, CISPO) and its KL penalty."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW, warmup, gradient clipping and batch sizes."""
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
