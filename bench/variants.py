@@ -69,6 +69,7 @@ def one_run(variant: str, seed: int, steps: int, out: Path) -> None:
         "mlflow_run_id": summary.mlflow_run_id,
         "accuracy": history("validation/accuracy"),
         "reward": history("train/reward"),
+        "kl_penalty": history("train/kl_penalty"),
         "step_time_s": history("timing/train/total_step_time"),
         "wall_s": wall,
     }
@@ -87,8 +88,8 @@ def summarize(results: list[dict], steps: int, seeds: list[int], variants: list[
         "greedy accuracy on the 200 held-out chain_sum questions. Mean and sample std over the seeds; each seed's value "
         "in brackets.",
         "",
-        f"| variant | step 0 | step {steps}, mean ± std | step {steps}, per seed | mean train reward, last 5 steps | median step (s) |",
-        "|---|---:|---:|---|---:|---:|",
+        f"| variant | step 0 | step {steps}, mean ± std | step {steps}, per seed | mean train reward, last 5 steps | KL to the reference at step {steps} | median step (s) |",
+        "|---|---:|---:|---|---:|---:|---:|",
     ]
     for v in variants:
         runs = sorted((r for r in results if r["variant"] == v), key=lambda r: r["seed"])
@@ -97,11 +98,12 @@ def summarize(results: list[dict], steps: int, seeds: list[int], variants: list[
         start = [r["accuracy"].get("0", r["accuracy"].get(0)) for r in runs]
         end = [r["accuracy"].get(str(steps), r["accuracy"].get(steps)) for r in runs]
         late = [statistics.mean(val for k, val in r["reward"].items() if int(k) > steps - 5) for r in runs]
+        kl = [r["kl_penalty"].get(str(steps), r["kl_penalty"].get(steps)) for r in runs]
         times = [t for r in runs for t in r["step_time_s"].values()]
         spread = statistics.stdev(end) if len(end) > 1 else 0.0
         lines.append(
             f"| {v} | {statistics.mean(start):.3f} | {statistics.mean(end):.3f} ± {spread:.3f} | "
-            f"[{', '.join(f'{x:.3f}' for x in end)}] | {statistics.mean(late):.3f} | {statistics.median(times):.1f} |"
+            f"[{', '.join(f'{x:.3f}' for x in end)}] | {statistics.mean(late):.3f} | {statistics.mean(kl):.3f} | {statistics.median(times):.1f} |"
         )
     return "\n".join(lines) + "\n"
 
