@@ -103,6 +103,7 @@ def _run(cfg, *, drills: dict | None = None, failures: list | None = None, steps
     and the weights the step saved."""
     from dataplane import fields as F
     from dataplane.client import DataPlane
+    from tasks import runtime
     from tasks.advantages import advantages
     from tasks.logprobs import policy_logprobs, reference_logprobs
     from tasks.rollout import rollout
@@ -110,6 +111,9 @@ def _run(cfg, *, drills: dict | None = None, failures: list | None = None, steps
     from tasks.train import train
     from tasks.types import PolicyVersion
 
+    # every run here has one run id: a back-end left warm in this process by an earlier run (its weights, its config)
+    # must not serve this one
+    runtime.release_all()
     drills, failures = drills or {}, failures if failures is not None else []
     run = dataclasses.replace(start_run(cfg=cfg), run_id="run-dp-test")  # one id: sample ids hash it
     policy = PolicyVersion(step=0, path=run.start_policy_path)
