@@ -538,7 +538,7 @@ def report(
         "top-8 logits, `rl.backends.hf.lm_head`) and uses eager attention; TRL runs every padded row through the full model "
         "(SDPA attention, the LM head on all completion positions under bf16 autocast).",
         "- extra work per step: ours computes generation logprobs while sampling; TRL computes per-token "
-        f"entropy in its training forward. Reference logprobs in batches of the micro-batch size; TRL shuffles the step's "
+        "entropy in its training forward. Reference logprobs in batches of the micro-batch size; TRL shuffles the step's "
         "rows before splitting them into micro-batches (same gradient).",
         "- TRL step split (medians): "
         f"{_med(pooled(trl_res, 'until_optimizer_s'))} s from step begin to the optimizer step (generation, logprobs, forward/backward, "

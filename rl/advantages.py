@@ -22,6 +22,7 @@ import torch
 if TYPE_CHECKING:
     from rl.config import GRPOConfig
 
+
 def baseline_and_std(
     rewards: torch.Tensor,
     sample_mask: torch.Tensor,

@@ -368,7 +368,6 @@ def train_on_batch(
     from rl import distributed
 
     td, update_sizes = step_batch(batch, cfg, update_sizes)
-    n = int(td.batch_size[0])
     device = engine.device
     totals: dict[str, torch.Tensor] = {}  # metric sums, float64 on the device: read once, after the last update
     losses, norms, seq_errors = [], [], []  # per update / per micro-batch, on the device
