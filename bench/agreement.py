@@ -36,28 +36,39 @@ G = 8
 def _rollout_batch(model, tok, cfg, problems, precision: str = "bfloat16"):
     """One step's padded training batch from ours' sampler, as `train_on_batch` takes it."""
     from rl.advantages import compute_advantages
-    from rl.data import prompt_token_ids, score
     from rl.backends.hf.decode import generate
     from rl.backends.hf.logprobs import batched_logprobs
+    from rl.data import prompt_token_ids, score
 
     d = cfg.data
     prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems for _ in range(G)]
-    gen = generate(model, tok, prompts, max_new_tokens=32, temperature=1.0, batch_size=len(prompts), precision=precision)
+    gen = generate(
+        model, tok, prompts, max_new_tokens=32, temperature=1.0, batch_size=len(prompts), precision=precision
+    )
     texts = tok.batch_decode(gen.response_token_ids, skip_special_tokens=True)
     owners = [p for p in problems for _ in range(G)]
     rewards = torch.tensor([score(p, t, d.dataset, d.dataset_kwargs, d.seed) for p, t in zip(owners, texts)])
     n = len(prompts)
     lengths = torch.tensor([len(x) for x in gen.input_ids])  # [N]
     s = int(lengths.max())
-    ids, token_mask, gen_lp = torch.zeros(n, s, dtype=torch.long), torch.zeros(n, s, dtype=torch.bool), torch.zeros(n, s)
+    ids, token_mask, gen_lp = (
+        torch.zeros(n, s, dtype=torch.long),
+        torch.zeros(n, s, dtype=torch.bool),
+        torch.zeros(n, s),
+    )
     for i in range(n):
         ids[i, : lengths[i]], token_mask[i, : lengths[i]] = gen.input_ids[i], gen.token_mask[i]
         gen_lp[i, : lengths[i]] = gen.generation_logprobs[i]
     adv, _, _ = compute_advantages(rewards, torch.ones(n, dtype=torch.bool), group_size=G, leave_one_out=False)
     ref = batched_logprobs(model, ids, lengths, token_mask, batch_size=32, precision=precision)
     batch = {
-        "input_ids": ids, "input_lengths": lengths, "generation_logprobs": gen_lp, "reference_policy_logprobs": ref,
-        "advantages": adv[:, None] * token_mask.float(), "token_mask": token_mask, "sample_mask": torch.ones(n, dtype=torch.bool),
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "generation_logprobs": gen_lp,
+        "reference_policy_logprobs": ref,
+        "advantages": adv[:, None] * token_mask.float(),
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(n, dtype=torch.bool),
     }
     return batch, float(rewards.mean())
 
@@ -101,7 +112,13 @@ def _cos(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(x @ y / (x.norm() * y.norm()))
 
 
-GROUPS = {"all parameters": "", "embedding (tied LM head)": "embed_tokens", "attention q_proj": "q_proj", "MLP down_proj": "down_proj", "RMSNorm weights": "norm"}
+GROUPS = {
+    "all parameters": "",
+    "embedding (tied LM head)": "embed_tokens",
+    "attention q_proj": "q_proj",
+    "MLP down_proj": "down_proj",
+    "RMSNorm weights": "norm",
+}
 
 
 def check_gradient(path: str, batch: dict, cfg_for) -> list[str]:
@@ -114,7 +131,13 @@ def check_gradient(path: str, batch: dict, cfg_for) -> list[str]:
         model = load_model(path)
         opt = _Capture(list(model.parameters()))
         t0 = time.perf_counter()
-        train_on_batch(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), batch, cfg_for(precision, max_grad_norm=0.0))
+        train_on_batch(
+            model,
+            opt,
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+            batch,
+            cfg_for(precision, max_grad_norm=0.0),
+        )
         seconds[f"ours {precision}"] = time.perf_counter() - t0
         grads[f"ours {precision}"] = dict(zip([k for k, _ in model.named_parameters()], opt.grads))
     for bf16 in (True, False):
@@ -127,14 +150,20 @@ def check_gradient(path: str, batch: dict, cfg_for) -> list[str]:
     base = grads["plain HF, float32"]
     keys = list(base)
     lines = [
-        "| gradient vs plain HF float32 | " + " | ".join(f"cos, {g}" for g in GROUPS) + " | norm ratio | same sign | fwd+bwd s |",
+        "| gradient vs plain HF float32 | "
+        + " | ".join(f"cos, {g}" for g in GROUPS)
+        + " | norm ratio | same sign | fwd+bwd s |",
         "|---|" + "---:|" * (len(GROUPS) + 3),
     ]
     for name in ("ours bfloat16", "ours float32", "plain HF, bf16 autocast"):
-        cos = [_cos(_flat(grads[name], ks), _flat(base, ks)) for ks in ([k for k in keys if sub in k] for sub in GROUPS.values())]
+        cos = [
+            _cos(_flat(grads[name], ks), _flat(base, ks))
+            for ks in ([k for k in keys if sub in k] for sub in GROUPS.values())
+        ]
         x, y = _flat(grads[name], keys), _flat(base, keys)
         lines.append(
-            f"| {name} | " + " | ".join(f"{c:.4f}" for c in cos)
+            f"| {name} | "
+            + " | ".join(f"{c:.4f}" for c in cos)
             + f" | {float(x.norm() / y.norm()):.4f} | {float((x.sign() == y.sign()).double().mean()):.4f} | {seconds[name]:.1f} |"
         )
     return lines
@@ -142,9 +171,9 @@ def check_gradient(path: str, batch: dict, cfg_for) -> list[str]:
 
 def check_update(path: str, batch: dict, cfg_for) -> list[str]:
     from rl.backends.hf.logprobs import batched_logprobs
-    from rl.loss import kl_penalty
     from rl.backends.hf.model import load_model
     from rl.backends.hf.train import make_optimizer, train_on_batch
+    from rl.loss import kl_penalty
 
     initial = load_model(path)
     w0 = {k: v.detach().clone() for k, v in initial.named_parameters()}
@@ -155,9 +184,14 @@ def check_update(path: str, batch: dict, cfg_for) -> list[str]:
     plain = load_model(path, attn_implementation="sdpa")
     _plain_backward(plain, batch, bf16=True)
     torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-    popt = torch.optim.AdamW(plain.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    popt = torch.optim.AdamW(
+        plain.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.999), eps=1e-8
+    )
     popt.step()
-    deltas = {name: torch.cat([(p.detach() - w0[k]).double().flatten() for k, p in m.named_parameters()]) for name, m in (("ours", ours), ("plain", plain))}
+    deltas = {
+        name: torch.cat([(p.detach() - w0[k]).double().flatten() for k, p in m.named_parameters()])
+        for name, m in (("ours", ours), ("plain", plain))
+    }
     tm = batch["token_mask"].clone()
     tm[:, 0] = False
     kls = {}
@@ -178,12 +212,14 @@ def check_update(path: str, batch: dict, cfg_for) -> list[str]:
 
 
 def check_sampling(path: str, tok, cfg, k: int) -> list[str]:
-    from rl.data import prompt_token_ids, score, train_problems
     from rl.backends.hf.decode import generate
     from rl.backends.hf.model import load_model
+    from rl.data import prompt_token_ids, score, train_problems
 
     d = cfg.data
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=16)
+    problems = train_problems(
+        dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=16
+    )
     prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
     owners = [p for p in problems for _ in range(k)]
     eos = tok.eos_token_id
@@ -202,9 +238,18 @@ def check_sampling(path: str, tok, cfg, k: int) -> list[str]:
     for precision in ("bfloat16", "float32"):
         torch.manual_seed(1)
         t0 = time.perf_counter()
-        gen = generate(model, tok, [x for x in prompts for _ in range(k)], max_new_tokens=32, batch_size=128, precision=precision)
+        gen = generate(
+            model, tok, [x for x in prompts for _ in range(k)], max_new_tokens=32, batch_size=128, precision=precision
+        )
         texts = tok.batch_decode(gen.response_token_ids, skip_special_tokens=True)
-        lines.append(row(f"ours `rl.backends.hf.decode.generate`, {precision}", texts, gen.response_lengths.tolist(), time.perf_counter() - t0))
+        lines.append(
+            row(
+                f"ours `rl.backends.hf.decode.generate`, {precision}",
+                texts,
+                gen.response_lengths.tolist(),
+                time.perf_counter() - t0,
+            )
+        )
     hf = load_model(path, attn_implementation="sdpa")
     side = tok.padding_side
     tok.padding_side = "left"
@@ -216,7 +261,16 @@ def check_sampling(path: str, tok, cfg, k: int) -> list[str]:
             for i in range(0, len(prompts), 4):
                 enc = tok.pad({"input_ids": [x for x in prompts[i : i + 4] for _ in range(k)]}, return_tensors="pt")
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    out = hf.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=32, pad_token_id=tok.pad_token_id, eos_token_id=eos)
+                    out = hf.generate(
+                        **enc,
+                        do_sample=True,
+                        temperature=1.0,
+                        top_k=0,
+                        top_p=1.0,
+                        max_new_tokens=32,
+                        pad_token_id=tok.pad_token_id,
+                        eos_token_id=eos,
+                    )
                 for completion in out[:, enc["input_ids"].shape[1] :].tolist():
                     n = completion.index(eos) + 1 if eos in completion else len(completion)
                     lengths.append(n)
@@ -230,14 +284,16 @@ def check_sampling(path: str, tok, cfg, k: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples-per-prompt", type=int, default=32, help="K completions per prompt in the sampling check")
+    parser.add_argument(
+        "--samples-per-prompt", type=int, default=32, help="K completions per prompt in the sampling check"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the rollout that makes the training batch")
     parser.add_argument("--out", default="bench/results/agreement.md")
     args = parser.parse_args()
 
+    from rl.backends.hf.model import load_model
     from rl.config import config_from_dict
     from rl.data import train_problems
-    from rl.backends.hf.model import load_model
     from rl.model import load_tokenizer, resolve_model
     from tasks.runtime import set_threads
 
@@ -246,11 +302,15 @@ def main() -> None:
     tok = load_tokenizer(path)
 
     def cfg_for(precision: str, *, max_grad_norm: float):
-        return config_from_dict({"model": {"name": path, "precision": precision}, "optim": {"max_grad_norm": max_grad_norm}})
+        return config_from_dict(
+            {"model": {"name": path, "precision": precision}, "optim": {"max_grad_norm": max_grad_norm}}
+        )
 
     cfg = cfg_for("bfloat16", max_grad_norm=1.0)
     d = cfg.data
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8)
+    problems = train_problems(
+        dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8
+    )
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     batch, reward = _rollout_batch(load_model(path), tok, cfg, problems)

@@ -38,10 +38,17 @@ def _config(path: str, steps: int, val_period: int, age: int, tracking_uri: str,
     import yaml
 
     cfg = yaml.safe_load(Path(path).read_text()) or {}
-    cfg.setdefault("grpo", {}).update(max_num_steps=steps, val_period=val_period, val_at_start=True, max_trajectory_age_steps=age)
+    cfg.setdefault("grpo", {}).update(
+        max_num_steps=steps, val_period=val_period, val_at_start=True, max_trajectory_age_steps=age
+    )
     cfg.setdefault("loss", {})["use_importance_sampling_correction"] = age > 0
     cfg.setdefault("checkpointing", {}).update(checkpoint_period=steps, keep_last_k=1)
-    cfg["tracking"] = {**cfg.get("tracking", {}), "uri": tracking_uri, "experiment_name": "grpoflow-async-bench", "run_name": f"age-{age}"}
+    cfg["tracking"] = {
+        **cfg.get("tracking", {}),
+        "uri": tracking_uri,
+        "experiment_name": "grpoflow-async-bench",
+        "run_name": f"age-{age}",
+    }
     cfg["dataplane"] = {"root": root}
     return cfg
 
@@ -52,7 +59,10 @@ def _measure(client, run_id: str) -> dict:
     intervals = [(b[1] - a[1]) / 1000 for a, b in zip(ends, ends[1:])]
     waits = [m.value for m in client.get_metric_history(run_id, "timing/train/generation")]
     ages = [m.value for m in client.get_metric_history(run_id, "train/avg_trajectory_age")]
-    accuracy = sorted((m.step, (m.timestamp - run.info.start_time) / 60_000, m.value) for m in client.get_metric_history(run_id, "validation/accuracy"))
+    accuracy = sorted(
+        (m.step, (m.timestamp - run.info.start_time) / 60_000, m.value)
+        for m in client.get_metric_history(run_id, "validation/accuracy")
+    )
     return {
         "interval": statistics.median(intervals),
         "wait": statistics.median(waits),
@@ -80,7 +90,13 @@ def main() -> None:
     for age in args.ages:
         cfg = _config(args.cfg, args.steps, args.val_period, age, uri, str(work / f"dp-{age}"))
         print(f"[bench] a = {age} ...", flush=True)
-        proc = subprocess.run([sys.executable, "-c", _RUN, json.dumps(cfg)], cwd=root, env=dict(os.environ), capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", _RUN, json.dumps(cfg)],
+            cwd=root,
+            env=dict(os.environ),
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode:
             sys.exit(f"a = {age} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         run_id = next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("RUN_ID "))
@@ -93,7 +109,8 @@ def main() -> None:
         f" --ages {' '.join(map(str, args.ages))}`; one process per age, one after the other, on this machine.",
         "",
         "| a | median step interval (s) | speed-up vs a = 0 | median generation wait (s) | mean trajectory age | total (min) | "
-        + " | ".join(f"accuracy @ step {s} (min)" for s in val_steps) + " |",
+        + " | ".join(f"accuracy @ step {s} (min)" for s in val_steps)
+        + " |",
         "|---:|---:|---:|---:|---:|---:|" + "---:|" * len(val_steps),
     ]
     for age, r in results.items():

@@ -36,13 +36,15 @@ TASKS = ("rollout", "reference_logprobs", "advantages", "train")
 def _config(root: str, so: dict, uri: str, steps: int, model: str, steps_per_task: int = 1):
     from tasks.run_config import run_config_from_dict
 
-    return run_config_from_dict({
-        "model": {"name": model, "precision": "float32"},
-        "grpo": {"max_num_steps": steps, "val_period": 0},
-        "dataplane": {"root": root, "storage_options": so},
-        "tracking": {"uri": uri, "experiment_name": "cold_start"},
-        "resources": {"steps_per_task": steps_per_task},
-    })
+    return run_config_from_dict(
+        {
+            "model": {"name": model, "precision": "float32"},
+            "grpo": {"max_num_steps": steps, "val_period": 0},
+            "dataplane": {"root": root, "storage_options": so},
+            "tracking": {"uri": uri, "experiment_name": "cold_start"},
+            "resources": {"steps_per_task": steps_per_task},
+        }
+    )
 
 
 def _metrics(uri: str, run_id: str) -> dict[str, list[float]]:
@@ -137,7 +139,9 @@ def _projection(fixed: float, bw: dict[str, float], rate: float, k: int, engine_
             f = (fixed + engine_start) / k if b["per_k"] else tasks * fixed + engine_start
             store = (load + save) / rate
             disk = load / bw["local read+parse GB/s"] + save / bw["local write GB/s"]
-            out.append(f"| {name} | {w:.1f} | {plan} | {store:.1f} | **{f + store:.1f}** | {disk:.1f} | {f + disk:.1f} |")
+            out.append(
+                f"| {name} | {w:.1f} | {plan} | {store:.1f} | **{f + store:.1f}** | {disk:.1f} | {f + disk:.1f} |"
+            )
     out += [
         "",
         f"Measured on the loopback S3 server (moto, one Python process: {bw['S3 download+parse GB/s']:.2f} GB/s down, "
@@ -151,9 +155,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default="bench/results/cold_start.md")
-    parser.add_argument("--rate", type=float, default=1.0, help="object-store GB/s per pod for the projection (stated, not measured)")
+    parser.add_argument(
+        "--rate", type=float, default=1.0, help="object-store GB/s per pod for the projection (stated, not measured)"
+    )
     parser.add_argument("--steps-per-task", type=int, default=16, help="K of the K-steps-per-task projection")
-    parser.add_argument("--engine-start", type=float, default=30.0, help="seconds a generation engine takes to start cold (stated)")
+    parser.add_argument(
+        "--engine-start", type=float, default=30.0, help="seconds a generation engine takes to start cold (stated)"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -207,7 +215,11 @@ def main() -> None:
         # one node: the pods share its model cache (the first to load the published base model downloads it) and the
         # cache where start_run finds the converted default model
         node = {"GRPOFLOW_CACHE": str(cache_dir()), "GRPOFLOW_MODEL_CACHE": str(work / f"node-cache-{steps_per_task}")}
-        pods = Pods(work / f"cluster-{steps_per_task}", execution=f"bench{random.randrange(1 << 30):x}", env={"GRPOFLOW_NUM_THREADS": threads, **node})
+        pods = Pods(
+            work / f"cluster-{steps_per_task}",
+            execution=f"bench{random.randrange(1 << 30):x}",
+            env={"GRPOFLOW_NUM_THREADS": threads, **node},
+        )
         t0 = time.time()
         out = pods.run_workflow(spec, tasks, inputs)
         wall = time.time() - t0
@@ -232,8 +244,13 @@ def main() -> None:
     ]
     for t in TASKS:
         k = f"timing/{t}/startup"
-        lines.append(f"| {t} | {', '.join(f'{v:.1f}' for v in warm_m[k])} | {', '.join(f'{v:.1f}' for v in cold_m[k])} |")
-    lines += [f"| start_run | {warm_m['timing/start_run/startup'][0]:.1f} | {cold_m['timing/start_run/startup'][0]:.1f} |", ""]
+        lines.append(
+            f"| {t} | {', '.join(f'{v:.1f}' for v in warm_m[k])} | {', '.join(f'{v:.1f}' for v in cold_m[k])} |"
+        )
+    lines += [
+        f"| start_run | {warm_m['timing/start_run/startup'][0]:.1f} | {cold_m['timing/start_run/startup'][0]:.1f} |",
+        "",
+    ]
     ws, cs, ks = (m["timing/train/total_step_time"] for m in (warm_m, cold_m, whole_m))
     per_step_startup = [sum(cold_m[f"timing/{t}/startup"][i] for t in TASKS) for i in range(args.steps)]
     lines += [
@@ -248,7 +265,11 @@ def main() -> None:
         f"- whole run wall: warm {warm_wall:.0f} s, cold {cold_wall:.0f} s ({len(pods.pods)} pods), steps in one pod "
         f"{whole_wall:.0f} s ({len(whole_pods.pods)} pods)",
         "",
-        "Pods (wall seconds): " + ", ".join(f"{p.node.split('-', 2)[-1] if p.node.startswith('n1-') else p.task.rsplit('.', 1)[-1]} {p.seconds:.1f}" for p in pods.pods),
+        "Pods (wall seconds): "
+        + ", ".join(
+            f"{p.node.split('-', 2)[-1] if p.node.startswith('n1-') else p.task.rsplit('.', 1)[-1]} {p.seconds:.1f}"
+            for p in pods.pods
+        ),
         "",
         "## Load bandwidth",
         "",

@@ -48,7 +48,14 @@ def _batch(out: Path) -> None:
 
     cfg = _cfg()
     d = cfg.data
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=cfg.grpo.num_prompts_per_step)
+    problems = train_problems(
+        dataset=d.dataset,
+        dataset_kwargs=d.dataset_kwargs,
+        seed=d.seed,
+        val_fraction=d.val_fraction,
+        start=0,
+        count=cfg.grpo.num_prompts_per_step,
+    )
     torch.manual_seed(0)
     model = load_model(cfg.model.name)
     batch, _ = _rollout_batch(model, load_tokenizer(cfg.model.name), cfg, problems, precision="float32")
@@ -74,7 +81,9 @@ def _update_rank(rank: int, world: int, batch_path: str, store: str, threads: in
     cfg = _cfg()
     batch = torch.load(batch_path)
     n = batch["input_ids"].shape[0]
-    meta = KVBatchMeta(partition_id="p", sample_ids=[str(i) for i in range(n)], sequence_lengths=batch["input_lengths"].tolist())
+    meta = KVBatchMeta(
+        partition_id="p", sample_ids=[str(i) for i in range(n)], sequence_lengths=batch["input_lengths"].tolist()
+    )
     shard, sizes = shard_updates_for_dp(meta, dp_world=world, rank=rank, rows_per_update=n)
     rows = torch.tensor([int(i) for i in shard.sample_ids], dtype=torch.int64)
     mine = TensorDict(batch, batch_size=[n])[rows]
@@ -92,7 +101,9 @@ def _update_rank(rank: int, world: int, batch_path: str, store: str, threads: in
             p.grad = torch.ones_like(p)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         shard_len = -(-flat.numel() // world)
-        local = torch.nn.functional.pad(flat, (0, shard_len * world - flat.numel()))[rank * shard_len : (rank + 1) * shard_len].clone()
+        local = torch.nn.functional.pad(flat, (0, shard_len * world - flat.numel()))[
+            rank * shard_len : (rank + 1) * shard_len
+        ].clone()
         whole = torch.empty(shard_len * world)
         for _ in range(repeats):
             distributed.barrier()
@@ -104,12 +115,20 @@ def _update_rank(rank: int, world: int, batch_path: str, store: str, threads: in
             dist.all_gather_into_tensor(whole, local)
             gather.append(time.perf_counter() - t0)
     if rank == 0:
-        Path(out).write_text(json.dumps({
-            "ranks": world, "threads": threads, "rows": len(rows), "update_s": statistics.median(times),
-            "all_reduce_s": statistics.median(reduce) if reduce else 0.0, "all_gather_s": statistics.median(gather) if gather else 0.0,
-            "micro_batches": -(-len(rows) // cfg.optim.train_micro_batch_size),
-            "grad_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
-        }))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "ranks": world,
+                    "threads": threads,
+                    "rows": len(rows),
+                    "update_s": statistics.median(times),
+                    "all_reduce_s": statistics.median(reduce) if reduce else 0.0,
+                    "all_gather_s": statistics.median(gather) if gather else 0.0,
+                    "micro_batches": -(-len(rows) // cfg.optim.train_micro_batch_size),
+                    "grad_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+                }
+            )
+        )
     if world > 1:
         dist.destroy_process_group()
 
@@ -150,7 +169,9 @@ def measure_steps(ranks: int, steps: int) -> dict:
             return statistics.median(values) if values else float("nan")
 
         return {
-            "ranks": ranks, "steps": steps, "wall_s": wall,
+            "ranks": ranks,
+            "steps": steps,
+            "wall_s": wall,
             "step_s": median("timing/train/total_step_time"),
             "train_s": median("timing/train/policy_training"),
             "checkpointing_s": median("timing/train/checkpointing"),

@@ -44,7 +44,11 @@ SAMPLE = {F.INPUT_LENGTHS: "int64", F.REWARDS: "float32", F.SAMPLE_MASK: "bool"}
 SCHEMA = {**TOKEN, **SAMPLE, F.PREV_LOGPROBS: "float32"}
 FIELDS = [*TOKEN, *SAMPLE]
 HISTORY = "## Before and after"  # a hand-written section at the end of OUT that a new run keeps
-OUT = Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else Path(__file__).resolve().parent / "results" / "dataplane.md"
+OUT = (
+    Path(sys.argv[sys.argv.index("--out") + 1])
+    if "--out" in sys.argv
+    else Path(__file__).resolve().parent / "results" / "dataplane.md"
+)
 
 
 # ---------------------------------------------------------------- data
@@ -69,7 +73,9 @@ def padded_bytes(cols: dict[str, torch.Tensor]) -> int:
     """Bytes of the same columns as dense tensors padded to the longest row ([N, S] per-token, [N] per-sample)."""
     lens = cols[F.INPUT_LENGTHS]
     n, s = lens.shape[0], int(lens.max())
-    return sum(n * s * v.values().element_size() if v.is_nested else v.numel() * v.element_size() for v in cols.values())
+    return sum(
+        n * s * v.values().element_size() if v.is_nested else v.numel() * v.element_size() for v in cols.values()
+    )
 
 
 def jagged_bytes(cols: dict[str, torch.Tensor]) -> int:
@@ -256,7 +262,9 @@ def bench_meta() -> list[dict[str, float]]:
             sequence_lengths=torch.randint(MIN_LEN, MAX_LEN + 1, (n,), generator=g).tolist(),
             extra_info={f"rollout/metric_{i}": 0.1 * i for i in range(10)} | {"global_forward_pad_seqlen": 4096.0},
         ).stamp_pad_seqlen()
-        tagged = meta.stamp_tags({"baseline": torch.rand(n, generator=g).tolist(), "std": torch.rand(n, generator=g).tolist()})
+        tagged = meta.stamp_tags(
+            {"baseline": torch.rand(n, generator=g).tolist(), "std": torch.rand(n, generator=g).tolist()}
+        )
         row: dict[str, float] = {"n": n}
         for key, m in (("plain", meta), ("tagged", tagged)):
             t0 = time.perf_counter()
@@ -303,7 +311,14 @@ def bench_latency(store: str, root: str, options: dict) -> dict[str, tuple[float
 
 # ---------------------------------------------------------------- report
 def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines() if ln.startswith("Model name")), "?")
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if ln.startswith("Model name")
+        ),
+        "?",
+    )
     return (
         f"nproc {os.cpu_count()}, CPU {cpu}, Python {platform.python_version()}, torch {torch.__version__}, "
         f"pyarrow {pa.__version__}, torch threads {torch.get_num_threads()}, arrow threads {pa.cpu_count()}"
@@ -404,7 +419,9 @@ def report(tp: list[dict], meta_rows: list[dict], lat: dict[str, dict], cmd: str
         lines.append(f"| {op} | {lo[0]:.2f} | {s3[0]:.2f} | {s3[1]} |")
     total_lo = sum(v[0] for v in lat["local"].values())
     total_s3 = sum(v[0] for v in lat["s3"].values())
-    lines.append(f"| **all five (one step's data-plane floor)** | **{total_lo:.2f}** | **{total_s3:.2f}** | {sum(v[1] for v in lat['s3'].values())} |")
+    lines.append(
+        f"| **all five (one step's data-plane floor)** | **{total_lo:.2f}** | **{total_s3:.2f}** | {sum(v[1] for v in lat['s3'].values())} |"
+    )
     lines += [
         "",
         "S3 requests = HTTP requests s3fs sends during the operation (counted at its botocore client). The loopback",
@@ -435,7 +452,10 @@ def main() -> None:
         for n in SIZES:
             for store, (root, options) in stores.items():
                 row = bench_throughput(store, root, options, n, warm_up=n == SIZES[0])
-                print(f"[bench] {store} N={n}: put+get ratio {row['ratio']:.2f}x ({time.perf_counter() - start:.0f} s)", flush=True)
+                print(
+                    f"[bench] {store} N={n}: put+get ratio {row['ratio']:.2f}x ({time.perf_counter() - start:.0f} s)",
+                    flush=True,
+                )
                 tp.append(row)
         lat = {store: bench_latency(store, root, options) for store, (root, options) in stores.items()}
         print(f"[bench] latency done ({time.perf_counter() - start:.0f} s)", flush=True)

@@ -72,7 +72,14 @@ def child_generate(spec: dict) -> dict:
     d = cfg.data
     for b, g, t in spec["shapes"]:
         cfg.generation.max_new_tokens = t  # the back-ends read it per call
-        problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=b)
+        problems = train_problems(
+            dataset=d.dataset,
+            dataset_kwargs=d.dataset_kwargs,
+            seed=d.seed,
+            val_fraction=d.val_fraction,
+            start=0,
+            count=b,
+        )
         prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
         gen.generate(prompts[:2], group_size=2, seed=999)  # warm-up
         times, tokens = [], []
@@ -116,7 +123,16 @@ def run_child(kind: str, spec: dict) -> dict:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "GRPOFLOW_NUM_THREADS": str(spec["threads"])}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", str(spec_path), "--result", str(result_path)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            kind,
+            "--spec",
+            str(spec_path),
+            "--result",
+            str(result_path),
+        ]
         print(f"[bench] {kind} {spec['backend']} ...", flush=True)
         subprocess.run(cmd, check=True, cwd=tmp, env=env)
         return json.loads(result_path.read_text())
@@ -147,16 +163,26 @@ def report(gen: dict[str, dict], steps: dict[str, dict], args: argparse.Namespac
         th, tv = _med(h["times_s"]), _med(v["times_s"])
         rh = _med([n / t for n, t in zip(h["tokens"], h["times_s"])])
         rv = _med([n / t for n, t in zip(v["tokens"], v["times_s"])])
-        lines.append(f"| {shape}: rollout time (s), median of {len(h['times_s'])} | {th:.2f} | {tv:.2f} | {ratio(tv, th)} |")
+        lines.append(
+            f"| {shape}: rollout time (s), median of {len(h['times_s'])} | {th:.2f} | {tv:.2f} | {ratio(tv, th)} |"
+        )
         lines.append(f"| {shape}: generated tokens/s | {rh:.1f} | {rv:.1f} | {ratio(rv, rh)} |")
         lines.append(f"| {shape}: generated tokens per call | {_med(h['tokens']):.0f} | {_med(v['tokens']):.0f} | |")
     if steps:
         h, v = steps["transformers"], steps["vllm"]
         for i, name in enumerate(("step 1 (cold: loads the engine)", "step 2 (warm)")):
-            lines.append(f"| default run, {name}: total step time (s) | {h['total_step_time'][i]:.1f} | {v['total_step_time'][i]:.1f} | {ratio(v['total_step_time'][i], h['total_step_time'][i])} |")
-            lines.append(f"| default run, {name}: generation (s) | {h['generation'][i]:.1f} | {v['generation'][i]:.1f} | {ratio(v['generation'][i], h['generation'][i])} |")
-        lines.append(f"| default run: token_mult_prob_error per step | {', '.join(f'{x:.4f}' for x in h['token_mult_prob_error'])} | {', '.join(f'{x:.4f}' for x in v['token_mult_prob_error'])} | |")
-        lines.append(f"| default run: wall time of 2 steps (s) | {h['wall_s']:.0f} | {v['wall_s']:.0f} | {ratio(v['wall_s'], h['wall_s'])} |")
+            lines.append(
+                f"| default run, {name}: total step time (s) | {h['total_step_time'][i]:.1f} | {v['total_step_time'][i]:.1f} | {ratio(v['total_step_time'][i], h['total_step_time'][i])} |"
+            )
+            lines.append(
+                f"| default run, {name}: generation (s) | {h['generation'][i]:.1f} | {v['generation'][i]:.1f} | {ratio(v['generation'][i], h['generation'][i])} |"
+            )
+        lines.append(
+            f"| default run: token_mult_prob_error per step | {', '.join(f'{x:.4f}' for x in h['token_mult_prob_error'])} | {', '.join(f'{x:.4f}' for x in v['token_mult_prob_error'])} | |"
+        )
+        lines.append(
+            f"| default run: wall time of 2 steps (s) | {h['wall_s']:.0f} | {v['wall_s']:.0f} | {ratio(v['wall_s'], h['wall_s'])} |"
+        )
     lines += ["", "Raw: " + json.dumps({"generate": gen, "steps": steps})]
     return "\n".join(lines) + "\n"
 

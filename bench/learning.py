@@ -49,8 +49,8 @@ def pass_at_k(cfg, k: int) -> dict[str, list[bool]]:
     """Per size: for each held-out question, whether any of ``k`` samples of the untrained model is correct."""
     import torch
 
-    from rl.data import val_problems
     from rl.backends.hf.model import load_model
+    from rl.data import val_problems
     from rl.model import load_tokenizer, resolve_model
     from rl.rollout import generate_groups
 
@@ -58,7 +58,13 @@ def pass_at_k(cfg, k: int) -> dict[str, list[bool]]:
     path = resolve_model(cfg.model.name)
     model, tok = load_model(path), load_tokenizer(path)
     d = cfg.data
-    problems = val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
+    problems = val_problems(
+        dataset=d.dataset,
+        dataset_kwargs=d.dataset_kwargs,
+        seed=d.val_seed,
+        val_fraction=d.val_fraction,
+        count=d.num_val_problems,
+    )
     out: dict[str, list[bool]] = defaultdict(list)
     for a in range(0, len(problems), 8):
         groups = generate_groups(model, tok, problems[a : a + 8], cfg, group_size=k, greedy=False)
@@ -106,13 +112,17 @@ def main() -> None:
     client = MlflowClient(cfg.tracking.uri)
     run = client.get_run(summary.mlflow_run_id)
     history = {m.step: m for m in client.get_metric_history(summary.mlflow_run_id, "validation/accuracy")}
-    step_time = sorted(m.value for m in client.get_metric_history(summary.mlflow_run_id, "timing/train/total_step_time"))
+    step_time = sorted(
+        m.value for m in client.get_metric_history(summary.mlflow_run_id, "timing/train/total_step_time")
+    )
     rewards = sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, "train/reward"))
     tables = validation_tables(client, summary.mlflow_run_id)
     sizes = sorted({s for t in tables.values() for s in t if s != "all"})
     n = cfg.data.num_val_problems
     lines = [
-        f"Command: `python -m bench.learning --cfg {args.cfg}" + (f" --pass-at-k {args.pass_at_k}" if args.pass_at_k else "") + "`"
+        f"Command: `python -m bench.learning --cfg {args.cfg}"
+        + (f" --pass-at-k {args.pass_at_k}" if args.pass_at_k else "")
+        + "`"
         + f"; MLflow run `{summary.mlflow_run_id}` in `{cfg.tracking.uri}`.",
         f"Precision {resolve(cfg.model.precision)}; wall time {wall / 60:.1f} min for {summary.final_step} steps (median step "
         f"{step_time[len(step_time) // 2]:.1f} s), {n} held-out questions ({cfg.data.dataset} {cfg.data.dataset_kwargs}, "
@@ -123,13 +133,16 @@ def main() -> None:
     ]
     for step, by in sorted(tables.items()):
         minutes = (history[step].timestamp - run.info.start_time) / 60_000 if step in history else float("nan")
-        lines.append(f"| {step} | {minutes:.1f} | {fmt(by['all'])} | " + " | ".join(fmt(by.get(s, [])) for s in sizes) + " |")
+        lines.append(
+            f"| {step} | {minutes:.1f} | {fmt(by['all'])} | " + " | ".join(fmt(by.get(s, [])) for s in sizes) + " |"
+        )
     if ceiling:
         lines.append(
             f"| untrained pass@{args.pass_at_k} (T={cfg.generation.temperature}) | | {fmt(ceiling['all'])} | "
-            + " | ".join(fmt(ceiling.get(s, [])) for s in sizes) + " |"
+            + " | ".join(fmt(ceiling.get(s, [])) for s in sizes)
+            + " |"
         )
-    lines += ["", f"Held-out questions per size: " + ", ".join(f"{s} {len(tables[min(tables)][s])}" for s in sizes)]
+    lines += ["", "Held-out questions per size: " + ", ".join(f"{s} {len(tables[min(tables)][s])}" for s in sizes)]
     lines += ["", "Training reward per step: " + ", ".join(f"{v:.3f}" for _, v in rewards)]
     text = "\n".join(lines)
     print(text)

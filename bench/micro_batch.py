@@ -27,19 +27,26 @@ def measure(size: int) -> dict:
     import torch
 
     from bench.agreement import _rollout_batch
+    from rl.backends.hf.model import load_model
+    from rl.backends.hf.train import make_optimizer, train_on_batch
     from rl.config import config_from_dict
     from rl.data import train_problems
-    from rl.backends.hf.model import load_model
     from rl.model import load_tokenizer, resolve_model
-    from rl.backends.hf.train import make_optimizer, train_on_batch
     from tasks.runtime import set_threads
 
     set_threads()
     path = resolve_model("SmolLM2-135M-Instruct")
     tok = load_tokenizer(path)
-    cfg = config_from_dict({"model": {"name": path, "precision": "bfloat16"}, "optim": {"train_micro_batch_size": size, "logprob_batch_size": size}})
+    cfg = config_from_dict(
+        {
+            "model": {"name": path, "precision": "bfloat16"},
+            "optim": {"train_micro_batch_size": size, "logprob_batch_size": size},
+        }
+    )
     d = cfg.data
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8)
+    problems = train_problems(
+        dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8
+    )
     torch.manual_seed(0)
     model = load_model(path)
     batch, _ = _rollout_batch(model, tok, cfg, problems)
@@ -72,12 +79,20 @@ def main() -> None:
     runs: dict[int, list[dict]] = {size: [] for size in sizes}
     for round_ in range(args.repeats):  # sizes take turns, so a drift in machine speed hits them alike
         for size in sizes:
-            proc = subprocess.run([sys.executable, "-m", "bench.micro_batch", "--one", str(size)], cwd=REPO, capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "bench.micro_batch", "--one", str(size)],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+            )
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not lines:
                 raise SystemExit(f"micro-batch {size} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             runs[size].append(json.loads(lines[-1].removeprefix("RESULT ")))
-            print(f"[micro_batch] round {round_ + 1}/{args.repeats}, size {size}: {runs[size][-1]['seconds']:.1f} s", flush=True)
+            print(
+                f"[micro_batch] round {round_ + 1}/{args.repeats}, size {size}: {runs[size][-1]['seconds']:.1f} s",
+                flush=True,
+            )
     rows = [
         {
             "size": size,

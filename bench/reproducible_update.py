@@ -46,7 +46,9 @@ def main() -> None:
     tok = load_tokenizer(path)
     cfg = config_from_dict({"model": {"name": path, "precision": args.precision}})
     d = cfg.data
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8)
+    problems = train_problems(
+        dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8
+    )
     torch.manual_seed(0)
     base = load_model(path)
     batch, _ = _rollout_batch(base, tok, cfg, problems)
@@ -65,7 +67,10 @@ def main() -> None:
             for p in model.parameters():
                 h.update(p.detach().contiguous().numpy().tobytes())
             digests[mode].add(h.hexdigest()[:12])
-            print(f"[reproducible_update] round {round_ + 1}/{args.repeats} {mode}: {times[mode][-1]:.2f} s, weights {h.hexdigest()[:12]}", flush=True)
+            print(
+                f"[reproducible_update] round {round_ + 1}/{args.repeats} {mode}: {times[mode][-1]:.2f} s, weights {h.hexdigest()[:12]}",
+                flush=True,
+            )
     med = {m: statistics.median(t) for m, t in times.items()}
     text = "\n".join(
         [

@@ -54,7 +54,9 @@ DATAPLANE_IO = ("register_partition", "put", "seal", "read", "read_batch", "writ
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--model", help="a transformers model folder (default: the converted SmolLM2-135M-Instruct)")
     which.add_argument("--random-shape", choices=["135M", "1B"], help="a random-weight Llama of bench.megatron.SIZES")
@@ -67,7 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--policy-backend", default="transformers")
     p.add_argument("--generation-backend", default="transformers")
-    p.add_argument("--cuda-graphs", action="store_true", help="generation.cuda_graphs: static KV cache, decode step replayed as a CUDA graph")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="generation.cuda_graphs: static KV cache, decode step replayed as a CUDA graph",
+    )
     p.add_argument("--workdir", help="data plane and random models (default: a temporary folder, removed at the end)")
     p.add_argument("--json", help="append one JSON object per run to this file")
     p.add_argument("--out", help="also write the markdown table here")
@@ -133,7 +139,15 @@ def model_shape(path: str) -> dict[str, int]:
 
 
 def baseline_generate(
-    path: str, prompts: list[list[int]], *, group: int, max_new_tokens: int, cuda: bool, bf16: bool, now: Callable[[], float], repeats: int,
+    path: str,
+    prompts: list[list[int]],
+    *,
+    group: int,
+    max_new_tokens: int,
+    cuda: bool,
+    bf16: bool,
+    now: Callable[[], float],
+    repeats: int,
 ) -> dict[str, float]:
     """Median tok/s of plain transformers ``model.generate`` on ``prompts`` x ``group`` (see the module docstring)."""
     import torch
@@ -142,9 +156,13 @@ def baseline_generate(
     from rl.model import load_tokenizer
 
     tok = load_tokenizer(path)  # left padding
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation="sdpa"
+    )
     model = model.to("cuda" if cuda else "cpu").eval()
-    batch = tok.pad({"input_ids": [p for p in prompts for _ in range(group)]}, padding=True, return_tensors="pt").to(model.device)
+    batch = tok.pad({"input_ids": [p for p in prompts for _ in range(group)]}, padding=True, return_tensors="pt").to(
+        model.device
+    )
     width = batch["input_ids"].shape[1]  # P, the padded prompt width
     sampling = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": 1.0, "max_new_tokens": max_new_tokens}
     rates, tokens = [], []
@@ -152,10 +170,14 @@ def baseline_generate(
         torch.manual_seed(i)
         t0 = now()
         with torch.no_grad():
-            out = model.generate(**batch, **sampling, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # [N, P + T']
+            out = model.generate(
+                **batch, **sampling, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+            )  # [N, P + T']
         seconds = now() - t0
         is_eos = out[:, width:].cpu() == tok.eos_token_id  # [N, T']
-        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, is_eos.shape[1])  # [N], up to and including eos
+        lengths = torch.where(
+            is_eos.any(1), is_eos.int().argmax(1) + 1, is_eos.shape[1]
+        )  # [N], up to and including eos
         if i:
             tokens.append(int(lengths.sum()))
             rates.append(tokens[-1] / seconds)
@@ -211,12 +233,16 @@ def write_advantages(cfg: Any, dp: Any, meta: Any) -> Any:
 
     cols = dp.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS, F.PROMPT_LENGTHS])
     lengths = cols[F.INPUT_LENGTHS]  # [N]
-    adv = advantages_for_step(cols[F.REWARDS], cols[F.SAMPLE_MASK], lengths - cols[F.PROMPT_LENGTHS], cfg).advantages  # [N]
+    adv = advantages_for_step(
+        cols[F.REWARDS], cols[F.SAMPLE_MASK], lengths - cols[F.PROMPT_LENGTHS], cfg
+    ).advantages  # [N]
     per_token = nested_from_values(torch.repeat_interleave(adv, lengths), lengths)  # [N, L_i]
     return dp.write_columns(meta, {F.ADVANTAGES: per_token}, task_name="advantages")
 
 
-def grpo_step(step: int, *, cfg: Any, tokenizer: Any, gen: Any, policy: Any, dp: Timed, now: Callable[[], float], base: str) -> dict[str, Any]:
+def grpo_step(
+    step: int, *, cfg: Any, tokenizer: Any, gen: Any, policy: Any, dp: Timed, now: Callable[[], float], base: str
+) -> dict[str, Any]:
     """Run and time step ``step`` (the phases of the module docstring); the policy holds version ``step - 1``."""
     from dataplane import fields as F
     from dataplane import paths
@@ -251,9 +277,16 @@ def grpo_step(step: int, *, cfg: Any, tokenizer: Any, gen: Any, policy: Any, dp:
         dp.clear(paths.step_partition(step))
     io["clear"] = seconds.pop("clear")
     return {
-        "step": step, "phases": seconds, "dataplane": io, "step_s": now() - start, "generation_s": timed_gen.seconds,
-        "generated_tokens": int(metrics["generated_tokens"]), "update_tokens": int(trained["total_num_tokens"]),
-        "lengths": list(meta.sequence_lengths), "reward": metrics["reward"], "loss": trained["loss"],
+        "step": step,
+        "phases": seconds,
+        "dataplane": io,
+        "step_s": now() - start,
+        "generation_s": timed_gen.seconds,
+        "generated_tokens": int(metrics["generated_tokens"]),
+        "update_tokens": int(trained["total_num_tokens"]),
+        "lengths": list(meta.sequence_lengths),
+        "reward": metrics["reward"],
+        "loss": trained["loss"],
     }
 
 
@@ -274,13 +307,18 @@ def run_steps(path: str, cfg: Any, *, repeats: int, now: Callable[[], float], wo
     policy.load_reference_policy()
     dp = Timed(DataPlane(cfg.dataplane.root, f"bench-step-{uuid.uuid4().hex[:8]}"), DATAPLANE_IO, time.perf_counter)
     try:
-        return [grpo_step(k, cfg=cfg, tokenizer=tok, gen=gen, policy=policy, dp=dp, now=now, base=path) for k in range(1, repeats + 1)]
+        return [
+            grpo_step(k, cfg=cfg, tokenizer=tok, gen=gen, policy=policy, dp=dp, now=now, base=path)
+            for k in range(1, repeats + 1)
+        ]
     finally:
         gen.shutdown()
         policy.shutdown()
 
 
-def summarize(steps: list[dict[str, Any]], baseline: dict[str, float], shape: dict[str, int], *, cuda: bool) -> dict[str, Any]:
+def summarize(
+    steps: list[dict[str, Any]], baseline: dict[str, float], shape: dict[str, int], *, cuda: bool
+) -> dict[str, Any]:
     """Medians over the steps after the warm-up (over the only step when there is one); adds each step's
     ``update_flops`` in place of its row ``lengths``."""
     from bench.megatron import peak_flops
@@ -291,7 +329,9 @@ def summarize(steps: list[dict[str, Any]], baseline: dict[str, float], shape: di
         return statistics.median(f(s) for s in timed)
 
     for s in steps:  # sum_i (6 N + 12 L H S_i) S_i over the update's rows
-        s["update_flops"] = sum((6 * shape["params"] + 12 * shape["layers"] * shape["hidden"] * x) * x for x in s.pop("lengths"))
+        s["update_flops"] = sum(
+            (6 * shape["params"] + 12 * shape["layers"] * shape["hidden"] * x) * x for x in s.pop("lengths")
+        )
     peak = None
     if cuda or os.environ.get("GRPOFLOW_PEAK_TFLOPS"):
         try:
@@ -321,27 +361,32 @@ def table(r: dict[str, Any]) -> str:
     step, io = r["step_s"], r["dataplane"]
     mfu = "n/a" if r["update_mfu"] is None else f"{r['update_mfu']:.1%}"
     warm = "no warm-up: one step" if r["warmup_step_s"] is None else f"after a {r['warmup_step_s']:.2f} s warm-up step"
-    return "\n".join([
-        f"# One GRPO step: {r['generation_backend']} generation, {r['policy_backend']} policy ({r['device']}: {r['device_name']}, torch {r['torch']})",
-        "",
-        f"`{r['command']}`",
-        "",
-        f"Model {r['shape']} ({r['params'] / 1e6:.1f}M parameters), B x G x T = {r['prompts']} x {r['group']} x {r['max_new_tokens']}, "
-        f"precision {r['precision_requested']} -> {r['precision']}; median of {r['timed_steps']} step(s), {warm}.",
-        "",
-        "| phase | s (median) | share of step | data plane inside (s) |",
-        "|---|---|---|---|",
-        *[f"| {p} | {r['phases'][p]:.3f} | {r['phases'][p] / step:.0%} | {io[p]:.3f} |" for p in PHASES],
-        f"| clear the partition | {io['clear']:.3f} | {io['clear'] / step:.0%} | {io['clear']:.3f} |",
-        f"| **step** | **{step:.3f}** | 100% | {sum(io.values()):.3f} |",
-        "",
-        "| figure | value |",
-        "|---|---|",
-        f"| generated tokens (rollout) | {r['generated_tokens']:,} in {r['generation_s']:.3f} s of generate |",
-        f"| generation tok/s: ours / baseline transformers generate ({r['precision']} weights, sdpa) | {r['gen_tok_per_s']:,.0f} / {r['baseline_tok_per_s']:,.0f} = {r['gen_vs_baseline']:.2f} |",
-        f"| update tokens (sum of input_lengths), tok/s | {r['update_tokens']:,}, {r['update_tok_per_s']:,.0f} |",
-        f"| update MFU | {mfu} |",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"# One GRPO step: {r['generation_backend']} generation, {r['policy_backend']} policy ({r['device']}: {r['device_name']}, torch {r['torch']})",
+                "",
+                f"`{r['command']}`",
+                "",
+                f"Model {r['shape']} ({r['params'] / 1e6:.1f}M parameters), B x G x T = {r['prompts']} x {r['group']} x {r['max_new_tokens']}, "
+                f"precision {r['precision_requested']} -> {r['precision']}; median of {r['timed_steps']} step(s), {warm}.",
+                "",
+                "| phase | s (median) | share of step | data plane inside (s) |",
+                "|---|---|---|---|",
+                *[f"| {p} | {r['phases'][p]:.3f} | {r['phases'][p] / step:.0%} | {io[p]:.3f} |" for p in PHASES],
+                f"| clear the partition | {io['clear']:.3f} | {io['clear'] / step:.0%} | {io['clear']:.3f} |",
+                f"| **step** | **{step:.3f}** | 100% | {sum(io.values()):.3f} |",
+                "",
+                "| figure | value |",
+                "|---|---|",
+                f"| generated tokens (rollout) | {r['generated_tokens']:,} in {r['generation_s']:.3f} s of generate |",
+                f"| generation tok/s: ours / baseline transformers generate ({r['precision']} weights, sdpa) | {r['gen_tok_per_s']:,.0f} / {r['baseline_tok_per_s']:,.0f} = {r['gen_vs_baseline']:.2f} |",
+                f"| update tokens (sum of input_lengths), tok/s | {r['update_tokens']:,}, {r['update_tok_per_s']:,.0f} |",
+                f"| update MFU | {mfu} |",
+            ]
+        )
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -355,27 +400,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         workdir = Path(args.workdir or tmp)
         path = model_path(args, workdir)
-        cfg = config_from_dict({
-            "model": {"name": path, "precision": args.precision},
-            "grpo": {"num_prompts_per_step": args.prompts, "num_generations_per_prompt": args.group},
-            "generation": {"backend": args.generation_backend, "max_new_tokens": args.max_new_tokens, "cuda_graphs": args.cuda_graphs},
-            "policy": {"backend": args.policy_backend},
-            "dataplane": {"root": str(workdir / "dataplane")},
-        })
+        cfg = config_from_dict(
+            {
+                "model": {"name": path, "precision": args.precision},
+                "grpo": {"num_prompts_per_step": args.prompts, "num_generations_per_prompt": args.group},
+                "generation": {
+                    "backend": args.generation_backend,
+                    "max_new_tokens": args.max_new_tokens,
+                    "cuda_graphs": args.cuda_graphs,
+                },
+                "policy": {"backend": args.policy_backend},
+                "dataplane": {"root": str(workdir / "dataplane")},
+            }
+        )
         d, first_timed = cfg.data, min(2, args.repeats)  # the baseline samples from the first timed step's prompts
         problems = train_problems(
-            dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction,
-            start=(first_timed - 1) * args.prompts, count=args.prompts,
+            dataset=d.dataset,
+            dataset_kwargs=d.dataset_kwargs,
+            seed=d.seed,
+            val_fraction=d.val_fraction,
+            start=(first_timed - 1) * args.prompts,
+            count=args.prompts,
         )
         tok = load_tokenizer(path)
         prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
-        bf16 = resolve(args.precision, "cuda" if cuda else "cpu") == "bfloat16"  # the baseline in the precision ours runs
+        bf16 = (
+            resolve(args.precision, "cuda" if cuda else "cpu") == "bfloat16"
+        )  # the baseline in the precision ours runs
         baseline = baseline_generate(
-            path, prompts, group=args.group, max_new_tokens=args.max_new_tokens, cuda=cuda, bf16=bf16, now=now, repeats=max(1, args.repeats - 1),
+            path,
+            prompts,
+            group=args.group,
+            max_new_tokens=args.max_new_tokens,
+            cuda=cuda,
+            bf16=bf16,
+            now=now,
+            repeats=max(1, args.repeats - 1),
         )
         steps = run_steps(path, cfg, repeats=args.repeats, now=now, workdir=workdir)
         shape = model_shape(path)
-        record = describe(args, argv, path=path, cuda=cuda, params=shape["params"]) | summarize(steps, baseline, shape, cuda=cuda)
+        record = describe(args, argv, path=path, cuda=cuda, params=shape["params"]) | summarize(
+            steps, baseline, shape, cuda=cuda
+        )
     record["steps"] = steps
     text = table(record)
     print(text, end="")
@@ -398,10 +464,17 @@ def describe(args: argparse.Namespace, argv: list[str] | None, *, path: str, cud
     return {
         "device": "cuda" if cuda else "cpu",
         "device_name": torch.cuda.get_device_name() if cuda else _cpu_name() or platform.machine(),
-        "torch": torch.__version__, "shape": args.random_shape or Path(path).name, "params": params,
-        "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
-        "precision": resolve(args.precision, "cuda" if cuda else "cpu"), "precision_requested": args.precision,
-        "generation_backend": args.generation_backend, "policy_backend": args.policy_backend, "cuda_graphs": args.cuda_graphs,
+        "torch": torch.__version__,
+        "shape": args.random_shape or Path(path).name,
+        "params": params,
+        "prompts": args.prompts,
+        "group": args.group,
+        "max_new_tokens": args.max_new_tokens,
+        "precision": resolve(args.precision, "cuda" if cuda else "cpu"),
+        "precision_requested": args.precision,
+        "generation_backend": args.generation_backend,
+        "policy_backend": args.policy_backend,
+        "cuda_graphs": args.cuda_graphs,
         "command": shlex.join(["python", "-m", "bench.step", *(sys.argv[1:] if argv is None else argv)]),
     }
 

@@ -41,7 +41,11 @@ def run_config(variant: str, seed: int, steps: int) -> dict:
     cfg["data"]["seed"] = seed
     cfg.setdefault("optim", {})["train_global_batch_size"] = 16
     cfg["checkpointing"] = {"checkpoint_period": steps, "keep_last_k": 1}
-    cfg["tracking"] = {**cfg.get("tracking", {}), "experiment_name": "grpoflow-variants", "run_name": f"{variant}-seed{seed}"}
+    cfg["tracking"] = {
+        **cfg.get("tracking", {}),
+        "experiment_name": "grpoflow-variants",
+        "run_name": f"{variant}-seed{seed}",
+    }
     return cfg
 
 
@@ -113,9 +117,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="GRPO steps per run (4 optimizer updates each)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--raw-dir", default="runs/bench_variants", help="one JSON result per run (an existing one is not run again)")
+    parser.add_argument(
+        "--raw-dir", default="runs/bench_variants", help="one JSON result per run (an existing one is not run again)"
+    )
     parser.add_argument("--out", default="bench/results/variants.md")
-    parser.add_argument("--run", nargs=2, metavar=("VARIANT", "SEED"), help=argparse.SUPPRESS)  # one run, in this process
+    parser.add_argument(
+        "--run", nargs=2, metavar=("VARIANT", "SEED"), help=argparse.SUPPRESS
+    )  # one run, in this process
     args = parser.parse_args()
     raw = Path(args.raw_dir)
     raw.mkdir(parents=True, exist_ok=True)
@@ -129,7 +137,18 @@ def main() -> None:
             path = raw / f"{variant}_seed{seed}_{args.steps}steps.json"
             if not path.exists():
                 print(f"[variants] {variant} seed {seed}: {args.steps} steps ...", flush=True)
-                cmd = [sys.executable, "-m", "bench.variants", "--steps", str(args.steps), "--raw-dir", str(raw), "--run", variant, str(seed)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.variants",
+                    "--steps",
+                    str(args.steps),
+                    "--raw-dir",
+                    str(raw),
+                    "--run",
+                    variant,
+                    str(seed),
+                ]
                 subprocess.run(cmd, cwd=REPO, check=True)
             result = json.loads(path.read_text())
             print(f"[variants] {variant} seed {seed}: accuracy {result['accuracy']}", flush=True)

@@ -47,13 +47,22 @@ def measure(shapes: list[tuple[int, int, int]], repeats: int, precision: str, th
     cfg = config_from_dict(
         {
             "model": {"precision": precision},
-            "generation": {"backend": "vllm", "max_new_tokens": max(t for *_, t in shapes), "vllm_cfg": {"cpu_kv_cache_gib": 4.0, "max_num_seqs": most_seqs}},
+            "generation": {
+                "backend": "vllm",
+                "max_new_tokens": max(t for *_, t in shapes),
+                "vllm_cfg": {"cpu_kv_cache_gib": 4.0, "max_num_seqs": most_seqs},
+            },
         }
     )
     t0 = time.perf_counter()
     gen = VLLMGeneration(cfg, tokenizer=tok, model_path=model)
     gen.refit(PolicyVersion(step=0, path=model))
-    out: dict = {"load_s": time.perf_counter() - t0, "dtype": gen.plan.dtype, "kv_cache_tokens": gen.kv_cache_tokens(), "shapes": {}}
+    out: dict = {
+        "load_s": time.perf_counter() - t0,
+        "dtype": gen.plan.dtype,
+        "kv_cache_tokens": gen.kv_cache_tokens(),
+        "shapes": {},
+    }
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -61,7 +70,15 @@ def measure(shapes: list[tuple[int, int, int]], repeats: int, precision: str, th
 
     def call(prompts: list[list[int]], g: int, t: int, seed: int | None) -> tuple[float, int]:
         params = [
-            SamplingParams(n=g, temperature=1.0, max_tokens=t, ignore_eos=True, logprobs=0, detokenize=False, seed=None if seed is None else request_seed(seed, b))
+            SamplingParams(
+                n=g,
+                temperature=1.0,
+                max_tokens=t,
+                ignore_eos=True,
+                logprobs=0,
+                detokenize=False,
+                seed=None if seed is None else request_seed(seed, b),
+            )
             for b in range(len(prompts))
         ]
         start = time.perf_counter()
@@ -69,7 +86,14 @@ def measure(shapes: list[tuple[int, int, int]], repeats: int, precision: str, th
         return time.perf_counter() - start, sum(len(c.token_ids) for r in res for c in r.outputs)
 
     for b, g, t in shapes:
-        problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=b)
+        problems = train_problems(
+            dataset=d.dataset,
+            dataset_kwargs=d.dataset_kwargs,
+            seed=d.seed,
+            val_fraction=d.val_fraction,
+            start=0,
+            count=b,
+        )
         prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
         need = sum(gen.kv_tokens_needed(prompts, g))
         if need > gen.kv_cache_tokens():
@@ -117,8 +141,12 @@ def report(res: dict, args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="timed pairs per shape")
-    parser.add_argument("--shapes", type=lambda v: v.split(","), default=["8x8x32", "32x8x16", "64x8x8"], help="BxGxT list")
-    parser.add_argument("--precision", default="float32", choices=["auto", "bfloat16", "float32"], help="model.precision")
+    parser.add_argument(
+        "--shapes", type=lambda v: v.split(","), default=["8x8x32", "32x8x16", "64x8x8"], help="BxGxT list"
+    )
+    parser.add_argument(
+        "--precision", default="float32", choices=["auto", "bfloat16", "float32"], help="model.precision"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--out", default="bench/results/vllm_seeds.md")
     args = parser.parse_args()

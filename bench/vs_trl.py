@@ -151,10 +151,16 @@ def side_trl(spec: dict) -> dict:
     b, g, steps = spec["prompts"], spec["generations"], spec["steps"]
     n = b * g
     problems = train_problems(
-        dataset=d["dataset"], dataset_kwargs=d["dataset_kwargs"], seed=d["seed"], val_fraction=d["val_fraction"],
-        start=0, count=steps * b,
+        dataset=d["dataset"],
+        dataset_kwargs=d["dataset_kwargs"],
+        seed=d["seed"],
+        val_fraction=d["val_fraction"],
+        start=0,
+        count=steps * b,
     )  # step k (1-based) of ours uses problems (k-1)*B .. k*B-1; TRL (shuffle off) walks the dataset in order
-    messages = [[{"role": "system", "content": d["system_prompt"]}, {"role": "user", "content": p.question}] for p in problems]
+    messages = [
+        [{"role": "system", "content": d["system_prompt"]}, {"role": "user", "content": p.question}] for p in problems
+    ]
     dataset = Dataset.from_dict(
         {
             "prompt": messages,
@@ -174,7 +180,12 @@ def side_trl(spec: dict) -> dict:
 
     tok = load_tokenizer(spec["model_path"])
     # The prompts TRL will generate from are token-for-token ours (same chat template call as TRL's).
-    trl_ids = [tok.apply_chat_template(conversation=[m], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0] for m in messages]
+    trl_ids = [
+        tok.apply_chat_template(conversation=[m], add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ][0]
+        for m in messages
+    ]
     ours_ids = [prompt_token_ids(tok, p.question, d["system_prompt"]) for p in problems]
     prompts_identical = [list(map(int, x)) for x in trl_ids] == ours_ids
     # The JSON round trip of the entry does not change scoring.
@@ -284,7 +295,9 @@ def side_trl(spec: dict) -> dict:
         "generated_tokens": [float(x["completions/mean_length"]) * n for x in logged],
         "grad_norm": [float(x.get("grad_norm", float("nan"))) for x in logged],  # before clipping
         "kl": [float(x.get("kl", float("nan"))) for x in logged],
-        "trl_step_time_s": [float(x.get("step_time", float("nan"))) for x in logged],  # TRL's own: training_step calls only
+        "trl_step_time_s": [
+            float(x.get("step_time", float("nan"))) for x in logged
+        ],  # TRL's own: training_step calls only
         "until_optimizer_s": timer.until_optimizer,
         "optimizer_s": timer.optimizer,
         "final_model": str(final),
@@ -300,15 +313,18 @@ def side_eval(spec: dict) -> dict:
     """Greedy held-out accuracy of the initial model and of each side's final model."""
     import torch
 
-    from rl.checkpoint import local_copy
-    from rl.data import prompt_token_ids, score, val_problems
     from rl.backends.hf.decode import generate
     from rl.backends.hf.model import load_model
+    from rl.checkpoint import local_copy
+    from rl.data import prompt_token_ids, score, val_problems
     from rl.model import load_tokenizer
 
     d = data_settings(spec)
     problems = val_problems(
-        dataset=d["dataset"], dataset_kwargs=d["dataset_kwargs"], seed=d["val_seed"], val_fraction=d["val_fraction"],
+        dataset=d["dataset"],
+        dataset_kwargs=d["dataset_kwargs"],
+        seed=d["val_seed"],
+        val_fraction=d["val_fraction"],
         count=spec["heldout"],
     )
     tok = load_tokenizer(spec["model_path"])
@@ -317,7 +333,9 @@ def side_eval(spec: dict) -> dict:
     for name, path in spec["eval_models"].items():
         model = load_model(local_copy(path, {}))
         torch.manual_seed(0)  # greedy: no randomness, seeded anyway
-        gen = generate(model, tok, prompts, max_new_tokens=spec["max_new_tokens"], greedy=True, batch_size=64, precision="float32")
+        gen = generate(
+            model, tok, prompts, max_new_tokens=spec["max_new_tokens"], greedy=True, batch_size=64, precision="float32"
+        )
         texts = tok.batch_decode(gen.response_token_ids, skip_special_tokens=True)
         rewards = [score(p, t, d["dataset"], d["dataset_kwargs"], d["seed"]) for p, t in zip(problems, texts)]
         out[name] = {
@@ -345,7 +363,16 @@ def run_child(side: str, spec_path: Path, result_path: Path) -> dict:
         if "peak_rss_bytes" in result:
             print(f"[vs_trl] --- {side}: reusing {result_path}", flush=True)
             return result | {"reused": True}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--spec", str(spec_path), "--result", str(result_path)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--side",
+        side,
+        "--spec",
+        str(spec_path),
+        "--result",
+        str(result_path),
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL pings the Hub on trainer start otherwise
@@ -382,7 +409,9 @@ def machine() -> dict:
         nproc = len(os.sched_getaffinity(0))
     mem = ""
     try:
-        kib = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
+        kib = int(
+            next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1]
+        )
         mem = f"{kib / 2**20:.1f} GiB"
     except (OSError, StopIteration, ValueError):
         pass
@@ -405,7 +434,13 @@ def ratio(a: float, b: float) -> str:
 
 
 def report(
-    spec: dict, ours: dict[int, dict], trl_res: dict[int, dict], ev: dict, command: str, total_wall: float, reused: int = 0
+    spec: dict,
+    ours: dict[int, dict],
+    trl_res: dict[int, dict],
+    ev: dict,
+    command: str,
+    total_wall: float,
+    reused: int = 0,
 ) -> str:
     from importlib import metadata
 
@@ -470,7 +505,11 @@ def report(
         f"# grpoflow vs TRL GRPOTrainer ({spec['steps']} steps)",
         "",
         f"Command: `{command}` (total {total_wall / 60:.1f} min, sides run one after the other"
-        + (f"; {reused} side runs reused from the work folder, their times are those of their own run" if reused else "")
+        + (
+            f"; {reused} side runs reused from the work folder, their times are those of their own run"
+            if reused
+            else ""
+        )
         + ").",
         f"Machine: nproc {m['nproc']}, {m['cpu']}, {m['mem']} RAM; torch threads ours {first[0]['torch_threads']}, TRL {first[1]['torch_threads']}.",
         f"Versions: torch {version('torch')}, transformers {version('transformers')}, trl {first[1]['trl_version']}, "
@@ -479,7 +518,9 @@ def report(
         f"**Precision: ours {spec['precision']}, TRL {spec['trl_precision']}** (bfloat16 = mixed precision with float32 master "
         "weights: ours `model.precision: bfloat16`, the LM head's matmul in bf16 with the target and top-8 logits exact in float32, "
         "`rl.backends.hf.lm_head`; TRL `bf16=True`, HF Trainer's CPU autocast); held-out "
-        "evaluation in float32 for every model. Same model folder (`" + spec["model_path"] + "`), same training problems in the "
+        "evaluation in float32 for every model. Same model folder (`"
+        + spec["model_path"]
+        + "`), same training problems in the "
         f"same order ({spec['data']['dataset']} {spec['data']['dataset_kwargs']}, seed {spec['data']['seed']}; step k uses "
         "problems (k-1)*B .. k*B-1), same chat-formatted prompts (system prompt "
         f"{spec['data']['system_prompt']!r}; token ids identical: {first[1]['prompts_identical']}), same reward (`rl.data.score`).",
@@ -488,7 +529,7 @@ def report(
         f"update), max {spec['max_new_tokens']} new tokens, temperature {spec['temperature']}, top-p 1, top-k off, lr {spec['lr']:g} "
         f"constant (AdamW 0.9/0.999, eps 1e-8, weight decay {spec['weight_decay']:g}), grad-norm clip {spec['max_grad_norm']:g}, "
         f"KL k3 beta {spec['beta']:g}, ratio clip {spec['clip']:g}/{spec['clip']:g}, token-level loss over the active tokens of the step "
-        f"batch (TRL `loss_type=\"dapo\"`), group std normalization (TRL `scale_rewards=\"group\"`), one update per batch "
+        f'batch (TRL `loss_type="dapo"`), group std normalization (TRL `scale_rewards="group"`), one update per batch '
         f"(TRL `num_iterations=1`), micro-batch ours {spec['micro_batch']}, TRL {spec['trl_micro_batch']} (gradient accumulation "
         f"{n // spec['trl_micro_batch']}), "
         "no vLLM, " + seed_note + ".",
@@ -506,7 +547,11 @@ def report(
         f"| mean training reward over steps | {o_rew:.3f} | {t_rew:.3f} | {ratio(o_rew, t_rew)} |",
         f"| greedy held-out accuracy before (initial model, shared) [95% CI] | {acc(before)} | {acc(before)} | 1.00 |",
         f"| greedy held-out accuracy after [95% CI{'' if len(seeds) == 1 else ', pooled over seeds'}] | {acc(o_acc, k * len(seeds))} | {acc(t_acc, k * len(seeds))} | {ratio(o_acc, t_acc)} |",
-        *([f"| held-out accuracy after, per seed | {per_seed(o_accs)} | {per_seed(t_accs)} | ours - TRL: {paired} |"] if len(seeds) > 1 else []),
+        *(
+            [f"| held-out accuracy after, per seed | {per_seed(o_accs)} | {per_seed(t_accs)} | ours - TRL: {paired} |"]
+            if len(seeds) > 1
+            else []
+        ),
         "",
         f"Held-out: {k} problems from `rl.data.val_problems` (val seed {spec['data']['val_seed']}, the validation split by question "
         f"hash, never trained on), greedy, max {spec['max_new_tokens']} new tokens, scored with `rl.data.score` "
@@ -550,7 +595,9 @@ def report(
     if not first[1]["prompts_identical"]:
         lines.append("- WARNING: TRL's chat-template token ids differ from ours for some prompts.")
     if not first[1]["reward_roundtrip_ok"]:
-        lines.append("- WARNING: scoring through the dataset's JSON entry column differs from scoring the original entry.")
+        lines.append(
+            "- WARNING: scoring through the dataset's JSON entry column differs from scoring the original entry."
+        )
     return "\n".join(lines)
 
 
@@ -566,21 +613,41 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--micro-batch", type=int, default=32, help="ours: samples per forward/backward (capped at B*G)")
-    parser.add_argument("--trl-micro-batch", type=int, default=8, help="TRL: per_device_train_batch_size (capped at B*G)")
+    parser.add_argument(
+        "--micro-batch", type=int, default=32, help="ours: samples per forward/backward (capped at B*G)"
+    )
+    parser.add_argument(
+        "--trl-micro-batch", type=int, default=8, help="TRL: per_device_train_batch_size (capped at B*G)"
+    )
     parser.add_argument("--heldout", type=int, default=64, help="held-out problems for greedy accuracy")
     parser.add_argument("--seed", type=int, default=42, help="sampling seed of both sides (one run each)")
-    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")],
-                        help="comma-separated seeds: one run of each side per seed (overrides --seed), e.g. 42,43,44")
-    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="bfloat16",
-                        help="training/generation precision of ours (bfloat16: mixed, float32 master weights)")
-    parser.add_argument("--trl-precision", choices=["float32", "bfloat16"], help="TRL's precision (default: --precision)")
-    parser.add_argument("--ours-baseline", choices=["mean", "leave-one-out"], default="mean",
-                        help="ours' baseline: 'mean' matches TRL; 'leave-one-out' is ours' default")
+    parser.add_argument(
+        "--seeds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        help="comma-separated seeds: one run of each side per seed (overrides --seed), e.g. 42,43,44",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["float32", "bfloat16"],
+        default="bfloat16",
+        help="training/generation precision of ours (bfloat16: mixed, float32 master weights)",
+    )
+    parser.add_argument(
+        "--trl-precision", choices=["float32", "bfloat16"], help="TRL's precision (default: --precision)"
+    )
+    parser.add_argument(
+        "--ours-baseline",
+        choices=["mean", "leave-one-out"],
+        default="mean",
+        help="ours' baseline: 'mean' matches TRL; 'leave-one-out' is ours' default",
+    )
     parser.add_argument("--out", default="bench/results/vs_trl.md", help="markdown result file (relative to the repo)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the temp folder (data plane, MLflow, models)")
-    parser.add_argument("--workdir", help="work in this folder and keep it; sides whose results are already there are "
-                        "reused (resumes an interrupted run with the same settings)")
+    parser.add_argument(
+        "--workdir",
+        help="work in this folder and keep it; sides whose results are already there are "
+        "reused (resumes an interrupted run with the same settings)",
+    )
     parser.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -632,7 +699,13 @@ def main() -> None:
 
     d = spec["data"]
     try:  # the held-out set must exist before any side runs
-        val_problems(dataset=d["dataset"], dataset_kwargs=d["dataset_kwargs"], seed=d["val_seed"], val_fraction=d["val_fraction"], count=args.heldout)
+        val_problems(
+            dataset=d["dataset"],
+            dataset_kwargs=d["dataset_kwargs"],
+            seed=d["val_seed"],
+            val_fraction=d["val_fraction"],
+            count=args.heldout,
+        )
     except ValueError as e:
         parser.error(f"--heldout {args.heldout}: {e}")
     t0 = time.perf_counter()
@@ -641,11 +714,16 @@ def main() -> None:
         trl_res: dict[int, dict] = {}
         models = {"before": spec["model_path"]}
         for seed in seeds:  # the same problems in the same order; only the sampling seed changes
-            seed_spec = {k: v for k, v in spec.items() if k != "seeds"} | {"seed": seed, "workdir": str(work / f"seed{seed}")}
+            seed_spec = {k: v for k, v in spec.items() if k != "seeds"} | {
+                "seed": seed,
+                "workdir": str(work / f"seed{seed}"),
+            }
             Path(seed_spec["workdir"]).mkdir(exist_ok=True)
             seed_path = work / f"spec_seed{seed}.json"
             stored = json.loads(seed_path.read_text()) if seed_path.exists() else None
-            if stored is not None and {k: v for k, v in stored.items() if k != "seeds"} != json.loads(json.dumps(seed_spec)):
+            if stored is not None and {k: v for k, v in stored.items() if k != "seeds"} != json.loads(
+                json.dumps(seed_spec)
+            ):
                 msg = f"{work} holds a run of seed {seed} with other settings ({seed_path}); use another --workdir"
                 raise SystemExit(msg)
             seed_path.write_text(json.dumps(seed_spec, indent=2))

@@ -6,6 +6,7 @@ tensor<->Arrow codec is `dataplane.codec`. Works over any fsspec URL (local fold
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -16,7 +17,6 @@ import uuid
 import warnings
 import zlib
 from collections.abc import Mapping, Sequence
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import fsspec
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 import torch
 
 from dataplane import paths
-from dataplane.errors import DataPlaneError, IntegrityError, StaleMetaError, retry_transient
 from dataplane.codec import DTYPE_KEY, Layout, column_from_arrow, column_to_arrow, materialize, nested_lengths
+from dataplane.errors import DataPlaneError, IntegrityError, StaleMetaError, retry_transient
 from dataplane.fields import INPUT_LENGTHS, SAMPLE_ID, TOKEN_FIELDS
 from dataplane.meta import GLOBAL_FORWARD_PAD_SEQLEN, KVBatchMeta
 
@@ -35,7 +35,15 @@ if TYPE_CHECKING:  # tensordict costs ~1.7 s to import: only the model tasks loa
     from tensordict import TensorDict
 
 
-__all__ = ["COMMIT_DEADLINE_S", "GC_GRACE_S", "DataPlane", "DataPlaneError", "DataPlaneWarning", "IntegrityError", "StaleMetaError"]
+__all__ = [
+    "COMMIT_DEADLINE_S",
+    "GC_GRACE_S",
+    "DataPlane",
+    "DataPlaneError",
+    "DataPlaneWarning",
+    "IntegrityError",
+    "StaleMetaError",
+]
 
 GC_GRACE_S = 3600.0
 """Default grace period of :meth:`DataPlane.collect_garbage` (s): a data file or temporary object younger than this
@@ -283,7 +291,9 @@ class DataPlane:
             except DataPlaneError:  # cleared since the listing: nothing of it to keep
                 continue
             named = {paths.join(part, c["file"]) for c in snap.commits}
-            candidates = [p for p in names if p.startswith(part + "/data/") and p.endswith(".parquet") and p not in named]
+            candidates = [
+                p for p in names if p.startswith(part + "/data/") and p.endswith(".parquet") and p not in named
+            ]
             orphans += [p for p in candidates if old_enough([p])]
         if unknown:
             warnings.warn(
@@ -394,7 +404,9 @@ class DataPlane:
         """
         return self._write(meta, columns, task_name=task_name, is_put=False)
 
-    def _write(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, task_name: str | None, is_put: bool) -> KVBatchMeta:
+    def _write(
+        self, meta: KVBatchMeta, columns: Mapping[str, Any], *, task_name: str | None, is_put: bool
+    ) -> KVBatchMeta:
         if not columns:
             msg = "write_columns needs at least one column"
             raise ValueError(msg)
@@ -531,7 +543,11 @@ class DataPlane:
                 )
                 raise StaleMetaError(msg)
         if meta.sequence_lengths is not None:
-            bad = [i for i, (s, n) in enumerate(zip(meta.sample_ids, meta.sequence_lengths)) if s in lengths and lengths[s] != n]
+            bad = [
+                i
+                for i, (s, n) in enumerate(zip(meta.sample_ids, meta.sequence_lengths))
+                if s in lengths and lengths[s] != n
+            ]
             if bad:
                 i = bad[0]
                 msg = (
@@ -597,7 +613,9 @@ class DataPlane:
             if problem:
                 snap.skipped.append(path)
                 if strict:
-                    warnings.warn(f"data plane: skipped commit record {path}: {problem}", DataPlaneWarning, stacklevel=3)
+                    warnings.warn(
+                        f"data plane: skipped commit record {path}: {problem}", DataPlaneWarning, stacklevel=3
+                    )
                 continue
             snap.commits.append(record)
         snap.commits.sort(key=lambda r: (r["created_unix_ns"], r["write_id"]))
@@ -655,7 +673,11 @@ class DataPlane:
         return materialize(columns, layout=layout, pad_value_dict=pad_value_dict, pad_to_seqlen=pad_to_seqlen)
 
     def read_batch(
-        self, meta: KVBatchMeta, select_fields: Sequence[str], *, pad_value_dict: Mapping[str, float | int] | None = None
+        self,
+        meta: KVBatchMeta,
+        select_fields: Sequence[str],
+        *,
+        pad_value_dict: Mapping[str, float | int] | None = None,
     ) -> TensorDict:
         """:meth:`read` of tensor fields as a ``tensordict.TensorDict`` with ``batch_size=[N]`` (the wire type of
         NeMo-RL's ``materialize``): per-token fields [N, S] padded to the meta's ``global_forward_pad_seqlen``,
@@ -680,7 +702,9 @@ class DataPlane:
         schema = snap.fields
         unknown = [f for f in select_fields if f not in schema]
         if unknown:
-            msg = f"fields {unknown} are not registered in partition {meta.partition_id!r}; registered: {sorted(schema)}"
+            msg = (
+                f"fields {unknown} are not registered in partition {meta.partition_id!r}; registered: {sorted(schema)}"
+            )
             raise DataPlaneError(msg)
         discarded = snap.discarded & set(meta.sample_ids)
         if discarded:
@@ -725,7 +749,9 @@ class DataPlane:
             columns[name] = column_from_arrow(field, column)
         return columns
 
-    def _read_files(self, part: str, commits: Sequence[dict[str, Any]], select_fields: Sequence[str]) -> dict[str, pa.Table]:
+    def _read_files(
+        self, part: str, commits: Sequence[dict[str, Any]], select_fields: Sequence[str]
+    ) -> dict[str, pa.Table]:
         """The tables of the data files ``commits`` name (``sample_id`` and the selected fields each holds), each
         verified against its record.
 
@@ -766,7 +792,9 @@ class DataPlane:
             try:
                 table = pq.read_table(pa.BufferReader(blob), columns=cols)
             except (pa.ArrowException, OSError) as err:
-                msg = f"data file {location} cannot be decoded ({err}); re-run the task that wrote {sorted(c['fields'])}"
+                msg = (
+                    f"data file {location} cannot be decoded ({err}); re-run the task that wrote {sorted(c['fields'])}"
+                )
                 raise IntegrityError(msg) from None
             if table.num_rows != c["num_rows"]:
                 msg = f"data file {location} holds {table.num_rows} rows, its commit record {c['num_rows']}"
@@ -813,7 +841,9 @@ def _rm_quiet(fs: Any, path: str) -> None:
 def _schema_fields(path: str, blob: bytes) -> dict[str, str]:
     try:
         fields = json.loads(blob)["fields"]
-        if not isinstance(fields, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fields.items()):
+        if not isinstance(fields, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in fields.items()
+        ):
             raise TypeError("fields is not a mapping of names to dtype names")
     except (ValueError, KeyError, TypeError) as err:
         msg = f"partition schema {path} is malformed ({type(err).__name__}: {err}); register the partition again"
@@ -832,7 +862,15 @@ def _discard_ids(path: str, blob: bytes) -> list[str]:
     return ids
 
 
-_RECORD_KEYS = {"write_id": str, "file": str, "size": int, "crc32": str, "fields": dict, "num_rows": int, "created_unix_ns": int}
+_RECORD_KEYS = {
+    "write_id": str,
+    "file": str,
+    "size": int,
+    "crc32": str,
+    "fields": dict,
+    "num_rows": int,
+    "created_unix_ns": int,
+}
 
 
 def _commit_record(blob: bytes) -> tuple[dict[str, Any], str]:
@@ -966,6 +1004,8 @@ def _checked_column(
             raise ValueError(msg)
     earlier = snap.arrow_type(name)
     if earlier is not None and earlier[0] != str(f.type):
-        msg = f"{where}: Arrow type {f.type} but write {earlier[1]} stored it as {earlier[0]}; write it in the same shape"
+        msg = (
+            f"{where}: Arrow type {f.type} but write {earlier[1]} stored it as {earlier[0]}; write it in the same shape"
+        )
         raise ValueError(msg)
     return f, arr

@@ -7,8 +7,8 @@ values + int64 offsets, zero-copy both ways where the dtype allows. Mirrors NeMo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np

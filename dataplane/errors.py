@@ -54,7 +54,15 @@ _TRANSIENT_ERRNOS = frozenset(
         errno.EAGAIN,
     }
 )
-_PERMANENT = (DataPlaneError, IntegrityError, PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+_PERMANENT = (
+    DataPlaneError,
+    IntegrityError,
+    PermissionError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
 # by (module prefix, class name) so that nothing here imports botocore, aiohttp or requests
 _TRANSIENT_NAMES = {
     ("botocore", "EndpointConnectionError"),
@@ -79,7 +87,17 @@ _TRANSIENT_NAMES = {
     ("fsspec", "FSTimeoutError"),
 }
 _TRANSIENT_S3_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable", "503", "500"}
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "503",
+        "500",
+    }
 )
 
 
@@ -120,7 +138,14 @@ def _mlflow_transient(e: BaseException) -> bool:
     code = getattr(e, "error_code", "")
     text = str(e)
     return code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED") or any(
-        s in text for s in ("Max retries exceeded", "Connection refused", "Connection aborted", "Read timed out", "RemoteDisconnected")
+        s in text
+        for s in (
+            "Max retries exceeded",
+            "Connection refused",
+            "Connection aborted",
+            "Read timed out",
+            "RemoteDisconnected",
+        )
     )
 
 
@@ -135,7 +160,12 @@ def is_transient(err: BaseException) -> bool:
     for e in _chain(err):
         if isinstance(e, _PERMANENT):
             return False
-        if isinstance(e, (ConnectionError, TimeoutError)) or _named_transient(e) or _s3_transient(e) or _mlflow_transient(e):
+        if (
+            isinstance(e, (ConnectionError, TimeoutError))
+            or _named_transient(e)
+            or _s3_transient(e)
+            or _mlflow_transient(e)
+        ):
             return True
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return True
@@ -143,7 +173,12 @@ def is_transient(err: BaseException) -> bool:
 
 
 def retry_transient(
-    fn: Callable[[], T], *, what: str, deadline_s: float | None = None, first_delay_s: float = 0.5, max_delay_s: float = 8.0
+    fn: Callable[[], T],
+    *,
+    what: str,
+    deadline_s: float | None = None,
+    first_delay_s: float = 0.5,
+    max_delay_s: float = 8.0,
 ) -> T:
     """Call ``fn`` (one idempotent storage operation) until it succeeds, retrying transient failures with
     exponential backoff (``first_delay_s`` doubling up to ``max_delay_s``) for at most ``deadline_s`` seconds.
@@ -161,6 +196,10 @@ def retry_transient(
         except Exception as err:
             if not is_transient(err) or time.monotonic() + delay > deadline:
                 raise
-            print(f"[grpoflow] {what}: transient {type(err).__name__}: {err}; retrying in {delay:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"[grpoflow] {what}: transient {type(err).__name__}: {err}; retrying in {delay:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(delay)
             delay = min(delay * 2, max_delay_s)

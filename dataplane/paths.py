@@ -21,7 +21,9 @@ def check_name(kind: str, value: str) -> str:
     Raises:
         ValueError: naming ``kind`` and the offending value.
     """
-    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:  # fullmatch: "$" would accept a trailing newline
+    if (
+        not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value
+    ):  # fullmatch: "$" would accept a trailing newline
         msg = (
             f"invalid {kind} {value!r}: use 1-200 letters, digits, '_', '.', '=' or '-', starting with a letter "
             "or digit, with no '..', path separators or control characters"

@@ -59,7 +59,9 @@ def shard_meta_for_dp(meta: KVBatchMeta, *, dp_world: int) -> tuple[list[KVBatch
     return shards, unsorted
 
 
-def shard_updates_for_dp(meta: KVBatchMeta, *, dp_world: int, rank: int, rows_per_update: int) -> tuple[KVBatchMeta, list[int]]:
+def shard_updates_for_dp(
+    meta: KVBatchMeta, *, dp_world: int, rank: int, rows_per_update: int
+) -> tuple[KVBatchMeta, list[int]]:
     """Rank ``rank``'s rows of a step that makes several optimizer updates, each on ``rows_per_update`` consecutive
     rows of ``meta``: every update's rows are split across the ranks by :func:`shard_meta_for_dp`, so update ``g``
     of every rank together is exactly update ``g`` of one rank (the same samples, the same global token counts).
@@ -86,7 +88,10 @@ def shard_updates_for_dp(meta: KVBatchMeta, *, dp_world: int, rank: int, rows_pe
         msg = f"rows_per_update must be >= 1, got {rows_per_update}"
         raise ValueError(msg)
     parent = meta.stamp_pad_seqlen()
-    pieces = [shard_meta_for_dp(parent.slice(g0, min(g0 + rows_per_update, parent.size())), dp_world=dp_world)[0][rank] for g0 in range(0, parent.size(), rows_per_update)]
+    pieces = [
+        shard_meta_for_dp(parent.slice(g0, min(g0 + rows_per_update, parent.size())), dp_world=dp_world)[0][rank]
+        for g0 in range(0, parent.size(), rows_per_update)
+    ]
     if not pieces:  # an empty step: one empty update
         return parent.subset([]), [0]
     return pieces[0].concat(*pieces[1:]), [p.size() for p in pieces]

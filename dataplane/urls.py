@@ -24,7 +24,9 @@ _SECRET_PARTS = ("secret", "passw", "pwd", "token", "credential", "creds", "auth
 # ... or as one word of it (split at '_', '-', '.', spaces and camelCase): `key` (s3fs's access key id),
 # `aws_access_key_id`, `session`, `headers` (an ``Authorization`` header), `cookie(s)`, `signature` (``X-Amz-Signature``),
 # `sas` (an Azure shared access signature, adlfs's ``sas_token``), `cred`.
-_SECRET_WORDS = frozenset({"key", "session", "headers", "header", "cookie", "cookies", "signature", "sig", "sas", "cred"})
+_SECRET_WORDS = frozenset(
+    {"key", "session", "headers", "header", "cookie", "cookies", "signature", "sig", "sas", "cred"}
+)
 # ... or as a run of words: adlfs's ``connection_string`` holds an account key (``AccountKey=...``).
 _SECRET_PHRASES = (("connection", "string"), ("conn", "str"), ("conn", "string"))
 # ... unless it is a known non-secret: a KMS key *id* names a key without being one; botocore's `signature_version`.
@@ -111,7 +113,7 @@ def _check_protocol(proto: str, url: str, known: set[str]) -> None:
     if proto in known:
         return
     if proto.lower() in known:
-        msg = f"{url!r}: protocol {proto!r} is not known to fsspec (protocols are lowercase); write {proto.lower() + url[len(proto):]!r}"
+        msg = f"{url!r}: protocol {proto!r} is not known to fsspec (protocols are lowercase); write {proto.lower() + url[len(proto) :]!r}"
         raise ValueError(msg)
     msg = f"{url!r}: protocol {proto!r} is not known to fsspec; {_known_hint(known)}"
     raise ValueError(msg)
@@ -167,7 +169,9 @@ def _check_root(url: str) -> str:
         proto, rest = part.split("://", 1)
         _check_protocol(proto, url, known)
         if last and not rest.strip("/"):
-            msg = f"{url!r} names no bucket or folder after {proto + '://'!r}; write e.g. {proto + '://bucket/prefix'!r}"
+            msg = (
+                f"{url!r} names no bucket or folder after {proto + '://'!r}; write e.g. {proto + '://bucket/prefix'!r}"
+            )
             raise ValueError(msg)
         if "?" in rest or "#" in rest:
             msg = f"{url!r} has a query or fragment ('?' or '#'), which fsspec would take as part of the path; drop it"
@@ -189,6 +193,6 @@ def _check_local(path: str) -> str:
     slashes = re.match(rf"({_SCHEME})//", path)
     if slashes and slashes[1].lower() in _known() - _LOCAL:  # `s3//bucket`, `S3//bucket`
         name = slashes[1]
-        msg = f"{path!r} looks like a URL missing the ':' after {name!r}, and fsspec would read it as a local folder; write {name.lower() + ':' + path[len(name):]!r}"
+        msg = f"{path!r} looks like a URL missing the ':' after {name!r}, and fsspec would read it as a local folder; write {name.lower() + ':' + path[len(name) :]!r}"
         raise ValueError(msg)
     return path

@@ -189,7 +189,11 @@ def reinforce_plus_plus_advantages(
 
 
 def overlong_penalty(
-    response_lengths: torch.Tensor, *, max_response_length: int, overlong_buffer_length: int, overlong_buffer_penalty: float
+    response_lengths: torch.Tensor,
+    *,
+    max_response_length: int,
+    overlong_buffer_length: int,
+    overlong_buffer_penalty: float,
 ) -> torch.Tensor:
     """DAPO's soft overlong punishment, added to the reward: 0 up to ``L_max - L_cache`` response tokens, then falling
     linearly to ``-overlong_buffer_penalty`` at ``L_max`` (and below it past ``L_max``).
@@ -231,7 +235,9 @@ class StepAdvantages:
     overlong_penalty: torch.Tensor
 
 
-def advantages_for_step(rewards: torch.Tensor, sample_mask: torch.Tensor, response_lengths: torch.Tensor, cfg: GRPOConfig) -> StepAdvantages:
+def advantages_for_step(
+    rewards: torch.Tensor, sample_mask: torch.Tensor, response_lengths: torch.Tensor, cfg: GRPOConfig
+) -> StepAdvantages:
     """A step's advantages as a run's config asks for them: ``grpo.reward_shaping`` added to the rewards, then the
     ``grpo.adv_estimator`` (:func:`compute_advantages` or :func:`reinforce_plus_plus_advantages`).
 
@@ -249,17 +255,27 @@ def advantages_for_step(rewards: torch.Tensor, sample_mask: torch.Tensor, respon
     penalty = torch.zeros_like(rewards)
     if shaping.enabled:
         penalty = overlong_penalty(
-            response_lengths, max_response_length=cfg.generation.max_new_tokens,
-            overlong_buffer_length=shaping.overlong_buffer_length, overlong_buffer_penalty=shaping.overlong_buffer_penalty,
+            response_lengths,
+            max_response_length=cfg.generation.max_new_tokens,
+            overlong_buffer_length=shaping.overlong_buffer_length,
+            overlong_buffer_penalty=shaping.overlong_buffer_penalty,
         ).to(rewards.dtype)
         rewards = rewards + penalty
     if g.adv_estimator == "reinforce_plus_plus":
         adv, baseline, std = reinforce_plus_plus_advantages(
-            rewards, sample_mask, response_lengths, group_size=g.num_generations_per_prompt, advantage_clip=g.advantage_clip
+            rewards,
+            sample_mask,
+            response_lengths,
+            group_size=g.num_generations_per_prompt,
+            advantage_clip=g.advantage_clip,
         )
     else:
         adv, baseline, std = compute_advantages(
-            rewards, sample_mask, group_size=g.num_generations_per_prompt, leave_one_out=g.use_leave_one_out_baseline,
-            normalize_rewards=g.normalize_rewards, advantage_clip=g.advantage_clip,
+            rewards,
+            sample_mask,
+            group_size=g.num_generations_per_prompt,
+            leave_one_out=g.use_leave_one_out_baseline,
+            normalize_rewards=g.normalize_rewards,
+            advantage_clip=g.advantage_clip,
         )
     return StepAdvantages(advantages=adv, baseline=baseline, std=std, overlong_penalty=penalty)

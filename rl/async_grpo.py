@@ -132,7 +132,9 @@ class ReplayBuffer:
         those whose age exceeds the bound."""
         with self._cond:
             gone = [
-                t for t in self._items.values() if t.step < current_step or trajectory_age(t.step, t.weight_version) > self.max_age
+                t
+                for t in self._items.values()
+                if t.step < current_step or trajectory_age(t.step, t.weight_version) > self.max_age
             ]
             for t in gone:
                 del self._items[t.step]

@@ -276,7 +276,9 @@ def _write_serving_copy(staging: Path, dtype: str) -> None:
         if p.suffix == ".safetensors":
             with safe_open(str(p), framework="pt") as f:
                 metadata = f.metadata()
-                tensors = {k: (t.to(torch_dtype) if t.is_floating_point() else t) for k in f.keys() for t in [f.get_tensor(k)]}
+                tensors = {
+                    k: (t.to(torch_dtype) if t.is_floating_point() else t) for k in f.keys() for t in [f.get_tensor(k)]
+                }
             save_file(tensors, str(target / p.name), metadata=metadata)
         elif p.name == "config.json":
             config = json.loads(p.read_text())
@@ -287,7 +289,13 @@ def _write_serving_copy(staging: Path, dtype: str) -> None:
 
 
 def _write_staging(
-    staging: Path, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: TrainerState | None, serving_dtype: str | None = None
+    staging: Path,
+    model: Any,
+    tokenizer: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainerState | None,
+    serving_dtype: str | None = None,
 ) -> None:
     from safetensors.torch import save_file
 
@@ -334,7 +342,9 @@ def _upload(fs: Any, path: str, url: str, staging: Path, manifest: bytes) -> Non
     """Replace whatever is at ``path`` on an object store by the staged files, the marker last."""
     _remove_checkpoint(fs, path, url)  # an earlier attempt's marker, then its files: a re-save starts clean
     for rel in json.loads(manifest)["files"]:  # each file to its explicit destination: no directory nesting
-        retry_transient(lambda r=rel: fs.put_file(str(staging / r), f"{path}/{r}"), what=f"checkpoint {url}: upload {rel}")
+        retry_transient(
+            lambda r=rel: fs.put_file(str(staging / r), f"{path}/{r}"), what=f"checkpoint {url}: upload {rel}"
+        )
     retry_transient(lambda: fs.pipe_file(f"{path}/{COMPLETE}", manifest), what=f"checkpoint {url}: write {COMPLETE}")
 
 
@@ -449,7 +459,9 @@ def trainer_state_doc(url: str, storage_options: dict[str, Any] | None = None) -
         storage errors: permanent, or transient past the retry deadline.
     """
     fs, path, _ = _fs(url, storage_options)
-    raw = retry_transient(lambda: fs.cat_file(f"{path}/{TRAINER_STATE}/state.json"), what=f"checkpoint {url}: read its trainer state")
+    raw = retry_transient(
+        lambda: fs.cat_file(f"{path}/{TRAINER_STATE}/state.json"), what=f"checkpoint {url}: read its trainer state"
+    )
     return json.loads(raw)
 
 
@@ -557,7 +569,10 @@ def local_copy(
             dest = target / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:
-                retry_transient(lambda r=rel, d=dest: fs.get_file(f"{source}/{r}", str(d)), what=f"{url}: download {sub}/{rel}" if sub else f"{url}: download {rel}")
+                retry_transient(
+                    lambda r=rel, d=dest: fs.get_file(f"{source}/{r}", str(d)),
+                    what=f"{url}: download {sub}/{rel}" if sub else f"{url}: download {rel}",
+                )
             except FileNotFoundError:
                 if manifest is None:
                     raise
@@ -584,7 +599,9 @@ def local_folder(
 ) -> Iterator[str]:
     """:func:`local_copy` for the length of a ``with`` block: the temporary copy of a remote checkpoint is removed at
     its end (a local folder is used where it is and left alone). Same arguments and errors as :func:`local_copy`."""
-    folder = local_copy(url, storage_options, require_complete=require_complete, verify=verify, weights_only=weights_only, dtype=dtype)
+    folder = local_copy(
+        url, storage_options, require_complete=require_complete, verify=verify, weights_only=weights_only, dtype=dtype
+    )
     copied = not _fs(url, storage_options)[2]
     try:
         yield folder
@@ -593,7 +610,9 @@ def local_folder(
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def load_trainer_state(folder: str, optimizer: torch.optim.Optimizer, scheduler: Any, *, shard: str | None = None) -> TrainerState:
+def load_trainer_state(
+    folder: str, optimizer: torch.optim.Optimizer, scheduler: Any, *, shard: str | None = None
+) -> TrainerState:
     """Load optimizer, scheduler and RNG state from a local checkpoint folder (see :func:`local_copy`) into the
     given objects.
 
@@ -620,7 +639,11 @@ def load_trainer_state(folder: str, optimizer: torch.optim.Optimizer, scheduler:
     sharded = isinstance(groups, dict)
     if sharded != (shard is not None) or (sharded and shard not in groups):
         held = f"the shards {sorted(groups)}" if sharded else "one unsplit optimizer (the transformers back-end)"
-        wanted = f"shard {shard!r} (policy.backend megatron with its parallel sizes)" if shard is not None else "one unsplit optimizer"
+        wanted = (
+            f"shard {shard!r} (policy.backend megatron with its parallel sizes)"
+            if shard is not None
+            else "one unsplit optimizer"
+        )
         msg = (
             f"checkpoint {folder}: its optimizer state holds {held}, but this policy needs {wanted}; resume with the "
             "policy.backend and policy.megatron_cfg parallel sizes the checkpoint was saved with"
@@ -664,12 +687,20 @@ def list_complete(url: str, storage_options: dict[str, Any] | None = None) -> li
     for child in retry_transient(ls, what=f"checkpoints {url}: list"):
         name = child.rstrip("/").rsplit("/", 1)[-1]
         m = _STEP.fullmatch(name)
-        if m and retry_transient(lambda c=child: fs.exists(f"{c.rstrip('/')}/{COMPLETE}"), what=f"checkpoints {url}: look at {name}"):
+        if m and retry_transient(
+            lambda c=child: fs.exists(f"{c.rstrip('/')}/{COMPLETE}"), what=f"checkpoints {url}: look at {name}"
+        ):
             out.append((int(m[1]), f"{url.rstrip('/')}/{name}"))
     return sorted(out)
 
 
-def prune(url: str, keep_last_k: int, storage_options: dict[str, Any] | None = None, *, keep: str | Iterable[str] | None = None) -> None:
+def prune(
+    url: str,
+    keep_last_k: int,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    keep: str | Iterable[str] | None = None,
+) -> None:
     """Delete all but the newest ``keep_last_k`` complete checkpoints under ``url``, and never those in ``keep`` (the
     checkpoint the running step started from: a retry of that step must be able to load it again; with async GRPO
     also the policies later rollouts generate with).

@@ -61,7 +61,9 @@ def process_group(timeout_s: float = 1800.0) -> Iterator[int]:
 
 def _device() -> torch.device:
     """Where the group's collectives run: the current GPU under NCCL, else the CPU (gloo)."""
-    return torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" else torch.device("cpu")
+    )
 
 
 def _spans(group: Any) -> bool:

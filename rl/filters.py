@@ -44,6 +44,10 @@ def seq_mult_prob_error(
         token_mask: [N, S] bool, True on response tokens.
     """
     m = token_mask.bool()  # [N, S]
-    gap = torch.where(m, (generation_logprobs - prev_logprobs).abs(), torch.zeros((), dtype=prev_logprobs.dtype, device=prev_logprobs.device))  # [N, S]
+    gap = torch.where(
+        m,
+        (generation_logprobs - prev_logprobs).abs(),
+        torch.zeros((), dtype=prev_logprobs.dtype, device=prev_logprobs.device),
+    )  # [N, S]
     err = torch.where(m, torch.exp(gap), torch.zeros((), dtype=gap.dtype, device=gap.device))  # [N, S]
     return err.sum(1) / m.sum(1).clamp(min=1)

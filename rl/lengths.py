@@ -56,7 +56,11 @@ def check_fits(prompt_lengths: Sequence[int], max_new_tokens: int, limit: int, l
         return
     prompt = f" plus the longest prompt's {longest} tokens" if prompt_lengths else ""
     room = limit - longest
-    fix = f"lower it to at most {room}" if room > 0 else "shorten the prompts (data.system_prompt, the dataset's questions)"
+    fix = (
+        f"lower it to at most {room}"
+        if room > 0
+        else "shorten the prompts (data.system_prompt, the dataset's questions)"
+    )
     if limit_name != MODEL_LIMIT:
         fix += f", or raise {limit_name} (up to the model's max_position_embeddings)"
     msg = f"config generation.max_new_tokens: {max_new_tokens}{prompt} is more than the {limit} tokens of {limit_name}, so completions would be cut short; {fix}"

@@ -31,7 +31,9 @@ KL_INPUT_CLAMP = 20.0
 KL_OUTPUT_CLAMP = 10.0
 
 
-def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type: str = "k3", *, gradient: str = "estimator") -> torch.Tensor:
+def kl_penalty(
+    logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type: str = "k3", *, gradient: str = "estimator"
+) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled-token logprobs, and the gradient it carries.
 
     With ``logr = ref - curr`` clamped to +-20: k1 = ``-logr``, k2 = ``logr^2 / 2``, k3 = ``exp(logr) - 1 - logr``;
@@ -85,7 +87,9 @@ def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type
     return kl.clamp(-KL_OUTPUT_CLAMP, KL_OUTPUT_CLAMP)
 
 
-def importance_ratio(logprobs: torch.Tensor, prev_logprobs: torch.Tensor, token_mask: torch.Tensor, level: str = "token") -> torch.Tensor:
+def importance_ratio(
+    logprobs: torch.Tensor, prev_logprobs: torch.Tensor, token_mask: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
     """The ratio pi / pi_old the clip acts on, per response token.
 
     - ``token`` (PPO, GRPO): ``r_t = exp(curr_t - prev_t)``.
@@ -125,7 +129,12 @@ def importance_ratio(logprobs: torch.Tensor, prev_logprobs: torch.Tensor, token_
 
 
 def sampling_importance_ratio(
-    prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, mask: torch.Tensor, *, level: str = "token", truncation: float | None = None
+    prev_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str = "token",
+    truncation: float | None = None,
 ) -> torch.Tensor:
     """The off-policy weight of each response token: how much likelier pi_old makes the sample than the back-end that
     generated it did. Detached; a non-finite weight becomes 0; truncated at ``truncation`` when given (TIS,
@@ -279,7 +288,9 @@ def clipped_pg_loss(
         pg = torch.maximum(-adv * ratio, -adv * ratio_clamped)  # [M, S-1]
     if ratio_clip_c is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * ratio_clip_c), pg)
-    weight = sampling_importance_ratio(prev, gen, mask, level=importance_sampling_level, truncation=truncated_importance_sampling_ratio)  # [M, S-1]
+    weight = sampling_importance_ratio(
+        prev, gen, mask, level=importance_sampling_level, truncation=truncated_importance_sampling_ratio
+    )  # [M, S-1]
     if use_importance_sampling_correction:
         pg = pg * weight
     kl = kl_penalty(curr, ref, reference_policy_kl_type, gradient=reference_policy_kl_gradient)  # [M, S-1]
@@ -295,17 +306,40 @@ def clipped_pg_loss(
 
     with torch.no_grad():
         sums = _metric_sums(
-            curr=curr, prev=prev, gen=gen, adv=adv, mask=mask, sample_mask=batch.sample_mask, ratio=ratio, ratio_clamped=ratio_clamped,
-            pg=pg, kl=kl, weight=weight, cispo=loss_type == "cispo", clip=(1 - ratio_clip_min, 1 + ratio_clip_max, ratio_clip_c),
+            curr=curr,
+            prev=prev,
+            gen=gen,
+            adv=adv,
+            mask=mask,
+            sample_mask=batch.sample_mask,
+            ratio=ratio,
+            ratio_clamped=ratio_clamped,
+            pg=pg,
+            kl=kl,
+            weight=weight,
+            cispo=loss_type == "cispo",
+            clip=(1 - ratio_clip_min, 1 + ratio_clip_max, ratio_clip_c),
             per_sequence=importance_sampling_level != "token",
         )
     return loss, sums
 
 
 def _metric_sums(
-    *, curr: torch.Tensor, prev: torch.Tensor, gen: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, sample_mask: torch.Tensor,
-    ratio: torch.Tensor, ratio_clamped: torch.Tensor, pg: torch.Tensor, kl: torch.Tensor, weight: torch.Tensor, cispo: bool,
-    clip: tuple[float, float, float | None], per_sequence: bool,
+    *,
+    curr: torch.Tensor,
+    prev: torch.Tensor,
+    gen: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    ratio: torch.Tensor,
+    ratio_clamped: torch.Tensor,
+    pg: torch.Tensor,
+    kl: torch.Tensor,
+    weight: torch.Tensor,
+    cispo: bool,
+    clip: tuple[float, float, float | None],
+    per_sequence: bool,
 ) -> dict[str, torch.Tensor]:
     """:func:`clipped_pg_loss`'s metric sums (every argument [M, S-1] but ``sample_mask`` [M]). A masked-out token
     enters no exp: a gap of 100 nats there would make ``exp(100) * 0`` NaN in float32."""

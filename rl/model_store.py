@@ -80,7 +80,12 @@ def _published_files(folder: Path) -> dict[str, Path]:
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
         parts = rel.split("/")
-        if any(part.startswith(".") for part in parts) or rel == COMPLETE or parts[0] in (TRAINER_STATE, *SERVING_DTYPES) or not p.is_file():
+        if (
+            any(part.startswith(".") for part in parts)
+            or rel == COMPLETE
+            or parts[0] in (TRAINER_STATE, *SERVING_DTYPES)
+            or not p.is_file()
+        ):
             continue
         out[rel] = p
     return out
@@ -181,7 +186,10 @@ def publish(folder: str | Path, root: str, storage_options: dict[str, Any] | Non
     else:
         _upload(fs, path, url, src, raw, files)
     size = sum(e["size"] for e in files.values())
-    print(f"[grpoflow] published the base model ({len(files)} files, {size / 1e6:.1f} MB) to {redact(url)} in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"[grpoflow] published the base model ({len(files)} files, {size / 1e6:.1f} MB) to {redact(url)} in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     return url
 
 
@@ -189,7 +197,9 @@ def _read_marker(fs: Any, path: str, url: str) -> bytes | None:
     from rl.checkpoint import COMPLETE
 
     try:
-        return retry_transient(lambda: fs.cat_file(f"{path}/{COMPLETE}"), what=f"published model {redact(url)}: read {COMPLETE}")
+        return retry_transient(
+            lambda: fs.cat_file(f"{path}/{COMPLETE}"), what=f"published model {redact(url)}: read {COMPLETE}"
+        )
     except FileNotFoundError:
         return None
 
@@ -227,7 +237,9 @@ def _upload(fs: Any, path: str, url: str, src: Path, raw: bytes, files: dict[str
 
     with ThreadPoolExecutor(max_workers=min(_WORKERS, len(files))) as pool:
         list(pool.map(put, files))  # re-raises the first failure; the marker is not written then
-    retry_transient(lambda: fs.pipe_file(f"{path}/{COMPLETE}", raw), what=f"published model {redact(url)}: write {COMPLETE}")
+    retry_transient(
+        lambda: fs.pipe_file(f"{path}/{COMPLETE}", raw), what=f"published model {redact(url)}: write {COMPLETE}"
+    )
 
 
 def is_published(url: str, storage_options: dict[str, Any] | None = None) -> bool:
@@ -317,7 +329,10 @@ def materialize(url: str, storage_options: dict[str, Any] | None = None, *, cach
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(e["size"] for e in files.values())
-    print(f"[grpoflow] base model {key[:12]}: {len(files)} files, {size / 1e6:.1f} MB from {redact(url)} into the node cache {target} in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"[grpoflow] base model {key[:12]}: {len(files)} files, {size / 1e6:.1f} MB from {redact(url)} into the node cache {target} in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     return str(target)
 
 
@@ -332,12 +347,17 @@ def _cached(target: Path, key: str) -> bool:
     try:
         raw = (target / CACHE_MANIFEST).read_bytes()
         ok = digest(raw) == key and all(
-            (target / rel).is_file() and (target / rel).stat().st_size == e["size"] for rel, e in _parse_manifest(raw, str(target))["files"].items()
+            (target / rel).is_file() and (target / rel).stat().st_size == e["size"]
+            for rel, e in _parse_manifest(raw, str(target))["files"].items()
         )
     except (OSError, IntegrityError):
         ok = False
     if not ok:
-        print(f"[grpoflow] warning: the node cache's copy {target} is damaged or not a cached model; downloading the model again", file=sys.stderr, flush=True)
+        print(
+            f"[grpoflow] warning: the node cache's copy {target} is damaged or not a cached model; downloading the model again",
+            file=sys.stderr,
+            flush=True,
+        )
         trash = target.with_name(f".{target.name}.bad-{uuid.uuid4().hex}")
         try:
             target.rename(trash)

@@ -14,10 +14,10 @@ import torch
 
 from dataplane import fields as F
 from dataplane.codec import nested_from_values
+from rl.backends.interfaces import GenerationBackend
 from rl.config import GRPOConfig
 from rl.data import Problem, prompt_token_ids, score, train_problems
 from rl.filters import informative_groups, overlong_mask
-from rl.backends.interfaces import GenerationBackend
 from rl.seeding import step_seed
 
 
@@ -38,7 +38,16 @@ class Groups:
     def take(self, groups: list[int], g: int) -> Groups:
         rows = [b * g + i for b in groups for i in range(g)]
         out = Groups(problems=[self.problems[b] for b in groups])
-        for name in ("input_ids", "generation_logprobs", "token_mask", "responses", "rewards", "truncated", "prompt_lengths", "response_lengths"):
+        for name in (
+            "input_ids",
+            "generation_logprobs",
+            "token_mask",
+            "responses",
+            "rewards",
+            "truncated",
+            "prompt_lengths",
+            "response_lengths",
+        ):
             setattr(out, name, [getattr(self, name)[r] for r in rows])
         return out
 
@@ -48,7 +57,14 @@ class Groups:
 
 
 def generate_groups(
-    generator: GenerationBackend, tokenizer: Any, problems: list[Problem], cfg: GRPOConfig, *, group_size: int, greedy: bool, seed: int
+    generator: GenerationBackend,
+    tokenizer: Any,
+    problems: list[Problem],
+    cfg: GRPOConfig,
+    *,
+    group_size: int,
+    greedy: bool,
+    seed: int,
 ) -> Groups:
     """Generate ``group_size`` completions per problem with ``generator`` (sampling seeded by ``seed``) and score each
     with the dataset's ``score_answer``."""
@@ -62,14 +78,18 @@ def generate_groups(
         generation_logprobs=gen.generation_logprobs,
         token_mask=gen.token_mask,
         responses=responses,
-        rewards=[score(p, r, cfg.data.dataset, cfg.data.dataset_kwargs, cfg.data.seed) for p, r in zip(owners, responses)],
+        rewards=[
+            score(p, r, cfg.data.dataset, cfg.data.dataset_kwargs, cfg.data.seed) for p, r in zip(owners, responses)
+        ],
         truncated=gen.truncated.tolist(),
         prompt_lengths=gen.prompt_lengths.tolist(),
         response_lengths=gen.response_lengths.tolist(),
     )
 
 
-def sample_step(generator: GenerationBackend, tokenizer: Any, cfg: GRPOConfig, *, step: int) -> tuple[Groups, torch.Tensor, dict[str, float]]:
+def sample_step(
+    generator: GenerationBackend, tokenizer: Any, cfg: GRPOConfig, *, step: int
+) -> tuple[Groups, torch.Tensor, dict[str, float]]:
     """The B groups of ``step``; with dynamic sampling, generation batches until B informative groups.
 
     Generation batch i of step k uses training problems ``((k-1) * M + i) * B ..`` (M =
@@ -89,8 +109,12 @@ def sample_step(generator: GenerationBackend, tokenizer: Any, cfg: GRPOConfig, *
     kept, seen_rewards, discarded, gen_s = Groups(), [], 0, 0.0
     for i in range(max_batches):
         problems = train_problems(
-            dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction,
-            start=((step - 1) * max_batches + i) * b, count=b,
+            dataset=d.dataset,
+            dataset_kwargs=d.dataset_kwargs,
+            seed=d.seed,
+            val_fraction=d.val_fraction,
+            start=((step - 1) * max_batches + i) * b,
+            count=b,
         )
         t0 = time.perf_counter()
         seed = step_seed(cfg.grpo.seed, step, f"rollout/{i}")

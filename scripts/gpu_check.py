@@ -1,12 +1,12 @@
 """Two parts of ``scripts/gpu_check.sh`` that need Python (each appends one JSON object to ``--results``):
 
-    python scripts/gpu_check.py env --results OUT/results.jsonl
-        the imports the GPU-side code needs (rl, dataplane, tensordict, megatron.core, reasoning_gym, mashumaro), their
-        versions, torch/CUDA/transformers versions and the device (name, memory, driver); exit 1 if an import fails.
-    python scripts/gpu_check.py models --results OUT/results.jsonl --dir CACHE/models --tokenizer DIR SIZE ...
-        random-weight Llamas: ``135M``/``1B``/... of ``bench.megatron.SIZES`` (``random_llama``), ``tiny`` the 2-layer
-        test model (``rl.model.build_tiny_model``), each into ``DIR/<size>`` unless already there (written under a
-        temporary name and renamed, so a folder there is complete; ``bench.step --workdir`` finds them the same way).
+python scripts/gpu_check.py env --results OUT/results.jsonl
+    the imports the GPU-side code needs (rl, dataplane, tensordict, megatron.core, reasoning_gym, mashumaro), their
+    versions, torch/CUDA/transformers versions and the device (name, memory, driver); exit 1 if an import fails.
+python scripts/gpu_check.py models --results OUT/results.jsonl --dir CACHE/models --tokenizer DIR SIZE ...
+    random-weight Llamas: ``135M``/``1B``/... of ``bench.megatron.SIZES`` (``random_llama``), ``tiny`` the 2-layer
+    test model (``rl.model.build_tiny_model``), each into ``DIR/<size>`` unless already there (written under a
+    temporary name and renamed, so a folder there is complete; ``bench.step --workdir`` finds them the same way).
 """
 
 from __future__ import annotations
@@ -49,8 +49,16 @@ def _nvidia_smi() -> dict:
     if not shutil.which("nvidia-smi"):
         return {}
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {}
     if not out:
@@ -78,8 +86,12 @@ def env(results: str) -> int:
         record["cuda_available"] = torch.cuda.is_available()
     if torch is not None and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        record |= {"device_name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
-                   "capability": f"{props.major}.{props.minor}", "devices": torch.cuda.device_count()}
+        record |= {
+            "device_name": props.name,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}",
+            "devices": torch.cuda.device_count(),
+        }
     record |= _nvidia_smi()
     if errors:
         record["import_errors"] = errors
@@ -105,8 +117,17 @@ def models(results: str, root: Path, tokenizer: str, sizes: list[str]) -> int:
                 random_llama(tmp, size, tokenizer)
             tmp.rename(target)
         size_mb = sum(p.stat().st_size for p in target.rglob("*") if p.is_file()) / 1e6
-        append(results, {"part": "models", "size": size, "path": str(target), "reused": reused, "mb": round(size_mb),
-                         "s": round(time.perf_counter() - t0, 1)})
+        append(
+            results,
+            {
+                "part": "models",
+                "size": size,
+                "path": str(target),
+                "reused": reused,
+                "mb": round(size_mb),
+                "s": round(time.perf_counter() - t0, 1),
+            },
+        )
     return 0
 
 

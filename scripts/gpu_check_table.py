@@ -20,11 +20,29 @@ import re
 from pathlib import Path
 
 COLUMNS = (
-    "part", "rc", "wall s", "model", "rollout s", "ref logprobs s", "advantages s", "update s", "refit s", "step s",
-    "gen tok/s", "baseline tok/s", "gen / baseline", "update MFU", "result",
+    "part",
+    "rc",
+    "wall s",
+    "model",
+    "rollout s",
+    "ref logprobs s",
+    "advantages s",
+    "update s",
+    "refit s",
+    "step s",
+    "gen tok/s",
+    "baseline tok/s",
+    "gen / baseline",
+    "update MFU",
+    "result",
 )
-PHASE_COLUMNS = {"rollout s": "rollout", "ref logprobs s": "reference_logprobs", "advantages s": "advantages",
-                 "update s": "update", "refit s": "refit"}
+PHASE_COLUMNS = {
+    "rollout s": "rollout",
+    "ref logprobs s": "reference_logprobs",
+    "advantages s": "advantages",
+    "update s": "update",
+    "refit s": "refit",
+}
 PART_LINE = re.compile(r"^part (\S+) rc=(\S+) (\d+(?:\.\d+)?)s\s*$")
 PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)\b")
 
@@ -92,10 +110,15 @@ def _status(rc: str, seconds: float, log: Path | None) -> str:
 def _env_result(rec: dict) -> str:
     bits = []
     if rec.get("device_name"):
-        bits.append(f"{rec['device_name']}, {rec.get('memory_gib', '?')} GiB" + (f", driver {rec['driver']}" if rec.get("driver") else ""))
+        bits.append(
+            f"{rec['device_name']}, {rec.get('memory_gib', '?')} GiB"
+            + (f", driver {rec['driver']}" if rec.get("driver") else "")
+        )
     elif "cuda_available" in rec:
         bits.append("no CUDA device")
-    bits.append(f"Python {rec.get('python', '?')}, torch {rec.get('torch', '?')} (CUDA {rec.get('torch_cuda') or 'none'}), transformers {rec.get('transformers', '?')}")
+    bits.append(
+        f"Python {rec.get('python', '?')}, torch {rec.get('torch', '?')} (CUDA {rec.get('torch_cuda') or 'none'}), transformers {rec.get('transformers', '?')}"
+    )
     versions = [f"{k} {rec[k]}" for k in ("megatron.core", "tensordict", "reasoning_gym", "mashumaro") if rec.get(k)]
     if versions:
         bits.append(", ".join(versions))
@@ -114,9 +137,11 @@ def _step_cells(row: dict[str, str], r: dict) -> str:
     row["baseline tok/s"] = _f(r.get("baseline_tok_per_s"), ",.0f")
     row["gen / baseline"] = _f(r.get("gen_vs_baseline"), ".2f")
     row["update MFU"] = "n/a" if r.get("update_mfu") is None else f"{r['update_mfu']:.1%}"
-    return (f"{r.get('device_name', '?')}: {r.get('prompts')} x {r.get('group')} x {r.get('max_new_tokens')} tokens, "
-            f"{r.get('precision')}{', CUDA graphs' if r.get('cuda_graphs') else ''}; {r.get('generated_tokens', 0):,} generated, "
-            f"{r.get('update_tokens', 0):,} trained")
+    return (
+        f"{r.get('device_name', '?')}: {r.get('prompts')} x {r.get('group')} x {r.get('max_new_tokens')} tokens, "
+        f"{r.get('precision')}{', CUDA graphs' if r.get('cuda_graphs') else ''}; {r.get('generated_tokens', 0):,} generated, "
+        f"{r.get('update_tokens', 0):,} trained"
+    )
 
 
 def _megatron_cells(row: dict[str, str], r: dict) -> str:
@@ -127,8 +152,10 @@ def _megatron_cells(row: dict[str, str], r: dict) -> str:
     if r.get("error"):
         return f"bench.megatron {r.get('backend')} back-end, {r.get('variant', 'default')}: {r['error']}"
     shared = ", groups share a prompt" if r.get("shared_prompts") else ""
-    return (f"bench.megatron {r.get('backend')} back-end, {r.get('variant', 'default')}: {r.get('rows')} x {r.get('length')} tokens{shared}, "
-            f"{r.get('tokens_per_s', 0):,.0f} tok/s, peak {r.get('peak_gib', 0):.1f} GiB, step time {r.get('vs_transformers') or 1:.2f}x the first row's")
+    return (
+        f"bench.megatron {r.get('backend')} back-end, {r.get('variant', 'default')}: {r.get('rows')} x {r.get('length')} tokens{shared}, "
+        f"{r.get('tokens_per_s', 0):,.0f} tok/s, peak {r.get('peak_gib', 0):.1f} GiB, step time {r.get('vs_transformers') or 1:.2f}x the first row's"
+    )
 
 
 def rows(out: Path) -> list[dict[str, str]]:
@@ -151,11 +178,17 @@ def rows(out: Path) -> list[dict[str, str]]:
         if name == "env" and env:
             result = _env_result(env[-1])
         elif name == "models" and models:
-            result = ", ".join(f"{m['size']} {'reused' if m.get('reused') else 'built'} ({m.get('s', '?')} s)" for m in models)
+            result = ", ".join(
+                f"{m['size']} {'reused' if m.get('reused') else 'built'} ({m.get('s', '?')} s)" for m in models
+            )
         elif name == "pytest":
             plog = out / "pytest.log"
             counts = pytest_counts(plog.read_text(errors="replace")) if plog.exists() else None
-            result = "no pytest summary line" if counts is None else ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "skipped", "errors"))
+            result = (
+                "no pytest summary line"
+                if counts is None
+                else ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "skipped", "errors"))
+            )
         elif name.startswith("step") and name[4:] in steps:
             result = _step_cells(row, steps[name[4:]])
         elif name.startswith("megatron") and name[8:] in megatron:

@@ -139,7 +139,9 @@ def parse_report(report: dict) -> dict[str, Resolved]:
     for item in report.get("install", []):
         meta = item["metadata"]
         name = normalize(meta["name"])
-        out[name] = Resolved(name, meta["version"], list(meta.get("requires_dist") or []), item.get("download_info", {}).get("url", ""))
+        out[name] = Resolved(
+            name, meta["version"], list(meta.get("requires_dist") or []), item.get("download_info", {}).get("url", "")
+        )
     return out
 
 
@@ -154,7 +156,9 @@ def _deps(item: Resolved, env: dict[str, str], extras: set[str]) -> list[tuple[s
     return out
 
 
-def closure(roots: dict[str, set[str]], resolved: dict[str, Resolved], env: dict[str, str]) -> tuple[set[str], set[str]]:
+def closure(
+    roots: dict[str, set[str]], resolved: dict[str, Resolved], env: dict[str, str]
+) -> tuple[set[str], set[str]]:
     """Names reachable from ``roots`` ({name: extras}) through dependencies whose markers hold on the target, and the
     names required on the target that the resolution lacks (it was evaluated with another interpreter's markers)."""
     seen: dict[str, set[str]] = {}
@@ -180,7 +184,9 @@ class Selection:
     missing: list[str]  # required on the target, absent from the resolution
 
 
-def select(resolved: dict[str, Resolved], want: dict[str, set[str]], have: dict[str, str | None], env: dict[str, str]) -> Selection:
+def select(
+    resolved: dict[str, Resolved], want: dict[str, set[str]], have: dict[str, str | None], env: dict[str, str]
+) -> Selection:
     """What to ship: the closure of ``want`` less the closure of ``have`` and less ``NEVER``."""
     needed, missing_w = closure(want, resolved, env)
     present, _ = closure({n: set() for n in have if n in resolved}, resolved, env)
@@ -211,7 +217,9 @@ def split_parts(units: list[tuple[str, int]], max_bytes: int) -> tuple[list[Part
     warnings = []
     for name, size in sorted(units, key=lambda u: (-u[1], u[0])):
         if size > max_bytes:
-            warnings.append(f"{name} is {size / MB:.1f} MB, over the {max_bytes / MB:g} MB part size: it gets a part of its own")
+            warnings.append(
+                f"{name} is {size / MB:.1f} MB, over the {max_bytes / MB:g} MB part size: it gets a part of its own"
+            )
             parts.append(Part([(name, size)]))
             continue
         for part in parts:
@@ -244,7 +252,11 @@ def write_manifest(out: Path, header: list[str]) -> list[tuple[str, int, str]]:
         if p.is_file() and p.name != MANIFEST and not any(part.startswith(".") for part in p.relative_to(out).parts):
             rows.append((p.relative_to(out).as_posix(), p.stat().st_size, sha256(p)))
     total = sum(r[1] for r in rows)
-    lines = [*(f"# {h}" for h in header), f"# {len(rows)} files, {total} bytes ({total / MB:.1f} MB)", "# path bytes sha256"]
+    lines = [
+        *(f"# {h}" for h in header),
+        f"# {len(rows)} files, {total} bytes ({total / MB:.1f} MB)",
+        "# path bytes sha256",
+    ]
     lines += [f"{path} {size} {digest}" for path, size, digest in rows]
     (out / MANIFEST).write_text("\n".join(lines) + "\n")
     return rows

@@ -19,8 +19,21 @@ import tempfile
 from pathlib import Path
 
 from wheelhouse import (
-    MANIFEST, MB, TOKENIZER, Resolved, _requirements, constraint_pins, normalize, parse_have, parse_report, select, split_parts,
-    target_env, tree_size, wheels, write_manifest,
+    MANIFEST,
+    MB,
+    TOKENIZER,
+    Resolved,
+    _requirements,
+    constraint_pins,
+    normalize,
+    parse_have,
+    parse_report,
+    select,
+    split_parts,
+    target_env,
+    tree_size,
+    wheels,
+    write_manifest,
 )
 
 
@@ -81,7 +94,9 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, text=True, capture_output=True, **kw)
 
 
-def resolve(pip_python: str, reqs: list[str], constraints: list[str], *, python: str, platform: str, links: Path) -> dict:
+def resolve(
+    pip_python: str, reqs: list[str], constraints: list[str], *, python: str, platform: str, links: Path
+) -> dict:
     """pip's resolution report of ``reqs`` for the target; a requirement with only a source distribution is built into
     a wheel in ``links`` (``pip wheel --no-deps``) and the resolution retried."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,9 +105,26 @@ def resolve(pip_python: str, reqs: list[str], constraints: list[str], *, python:
         report = Path(tmp) / "report.json"
         built: set[str] = set()
         for _ in range(8):
-            cmd = [pip_python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-                   "--target", str(Path(tmp) / "target"),
-                   "--disable-pip-version-check", "-c", str(cfile), "--find-links", str(links), *_pip_target_args(python, platform), *reqs]
+            cmd = [
+                pip_python,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--report",
+                str(report),
+                "--target",
+                str(Path(tmp) / "target"),
+                "--disable-pip-version-check",
+                "-c",
+                str(cfile),
+                "--find-links",
+                str(links),
+                *_pip_target_args(python, platform),
+                *reqs,
+            ]
             res = _run(cmd)
             if res.returncode == 0:
                 return json.loads(report.read_text())
@@ -103,7 +135,21 @@ def resolve(pip_python: str, reqs: list[str], constraints: list[str], *, python:
             sdist = m.group(1)
             built.add(sdist)
             print(f"{sdist}: no wheel for the target; building one from its source distribution", file=sys.stderr)
-            res = _run([pip_python, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-c", str(cfile), "-w", str(links), sdist])
+            res = _run(
+                [
+                    pip_python,
+                    "-m",
+                    "pip",
+                    "wheel",
+                    "--no-deps",
+                    "--disable-pip-version-check",
+                    "-c",
+                    str(cfile),
+                    "-w",
+                    str(links),
+                    sdist,
+                ]
+            )
             if res.returncode != 0:
                 sys.stderr.write(res.stdout + res.stderr)
                 raise SystemExit(f"building a wheel for {sdist} failed")
@@ -121,8 +167,21 @@ def download(pip_python: str, items: list[Resolved], dest: Path, *, python: str,
             shutil.copy2(Path(item.url.removeprefix("file://")), dest)
     remote = [f"{i.name}=={i.version}" for i in items if not i.url.startswith("file:")]
     if remote:
-        res = _run([pip_python, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check", "-d", str(dest),
-                    *_pip_target_args(python, platform), *remote])
+        res = _run(
+            [
+                pip_python,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-d",
+                str(dest),
+                *_pip_target_args(python, platform),
+                *remote,
+            ]
+        )
         if res.returncode != 0:
             sys.stderr.write(res.stdout + res.stderr)
             raise SystemExit("download failed")
@@ -162,16 +221,27 @@ def build(args: argparse.Namespace) -> None:
     want = {normalize(r.name): set(r.extras) for r in want_reqs}
     pins = constraint_pins(Path(args.constraints).read_text(), env, skip=set(have)) if args.constraints else []
     have_reqs = [f"{n}=={v}" if v else n for n, v in have.items()]
-    report = resolve(args.resolver_python, [*args.requirements, *have_reqs], pins, python=args.python, platform=args.platform, links=links)
+    report = resolve(
+        args.resolver_python,
+        [*args.requirements, *have_reqs],
+        pins,
+        python=args.python,
+        platform=args.platform,
+        links=links,
+    )
     resolved = parse_report(report)
     sel = select(resolved, want, have, env)
     if sel.missing:
-        raise SystemExit(f"required on Python {args.python} but not resolved (resolve with a Python {args.python}: --resolver-python): {sel.missing}")
+        raise SystemExit(
+            f"required on Python {args.python} but not resolved (resolve with a Python {args.python}: --resolver-python): {sel.missing}"
+        )
     for name in sel.never:
         print(f"warning: {name} is needed but never shipped: the target must have it", file=sys.stderr)
     download(args.resolver_python, sel.keep, wheels_dir, python=args.python, platform=args.platform, links=links)
     save_tokenizer(args.tokenizer_python, repo, staging / TOKENIZER)
-    units = [(p.name, p.stat().st_size) for p in sorted(wheels_dir.glob("*.whl"))] + [(TOKENIZER, tree_size(staging / TOKENIZER))]
+    units = [(p.name, p.stat().st_size) for p in sorted(wheels_dir.glob("*.whl"))] + [
+        (TOKENIZER, tree_size(staging / TOKENIZER))
+    ]
     source = {p.name: p for p in wheels_dir.glob("*.whl")} | {TOKENIZER: staging / TOKENIZER}
     if args.split_mb:
         parts, warnings = split_parts(units, int(args.split_mb * MB))
@@ -188,7 +258,8 @@ def build(args: argparse.Namespace) -> None:
     header = [
         f"grpoflow offline wheelhouse for CPython {args.python} on {args.platform} (scripts/offline_wheels.sh)",
         "wanted: " + " ".join(args.requirements),
-        "pins: " + " ".join(p for p in pins if normalize(re.split(r"[<>=!~; ]", p, 1)[0]) in {r.name for r in sel.keep}),
+        "pins: "
+        + " ".join(p for p in pins if normalize(re.split(r"[<>=!~; ]", p, 1)[0]) in {r.name for r in sel.keep}),
         "left out, the target has them: " + " ".join(sel.have),
         *(["left out, never shipped: " + " ".join(sel.never)] if sel.never else []),
         "install: pip install --no-index --no-deps --target SITE */*.whl; tokenizer/ is the SmolLM2 tokenizer",

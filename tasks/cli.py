@@ -46,7 +46,9 @@ def install_config_options() -> None:
         return
 
     @functools.wraps(original)
-    def to_click_option(ctx: Any, flyte_ctx: Any, input_name: str, literal_var: Any, python_type: Any, default_val: Any, required: bool) -> Any:
+    def to_click_option(
+        ctx: Any, flyte_ctx: Any, input_name: str, literal_var: Any, python_type: Any, default_val: Any, required: bool
+    ) -> Any:
         option = original(ctx, flyte_ctx, input_name, literal_var, python_type, default_val, required)
         if isinstance(python_type, type) and issubclass(python_type, GRPOConfig):
             option.help = config_help(python_type, literal_var.description, option.default)
@@ -67,7 +69,7 @@ def config_help(root: type[GRPOConfig], description: str = "", default: Any = No
     changed = _changed_keys(root, default)
     paragraphs = [
         (
-            f"{description.strip()} Inline JSON ('{{\"grpo\": {{\"max_num_steps\": 2}}}}') or a .yaml, .yml or .json "
+            f'{description.strip()} Inline JSON (\'{{"grpo": {{"max_num_steps": 2}}}}\') or a .yaml, .yml or .json '
             "file, a path or a URL (configs/quick.yaml, file:///abs/x.yaml, s3://bucket/x.yaml). Give only the keys you "
             "change; the rest keep their defaults."
         ),

@@ -51,7 +51,14 @@ class DataParallelTask(PytorchElasticFunctionTask):
     def __init__(self, task_config: DataParallel, task_function: Callable[..., Any], **kwargs: Any) -> None:
         # not PytorchElasticFunctionTask.__init__: it imports torch.distributed (~3 s) only to parse ``nnodes``,
         # and every process that imports a workflow (a CPU pod, registration) would pay for it
-        PythonFunctionTask.__init__(self, task_config=task_config, task_type=self._ELASTIC_TASK_TYPE_STANDALONE, task_function=task_function, task_type_version=1, **kwargs)
+        PythonFunctionTask.__init__(
+            self,
+            task_config=task_config,
+            task_type=self._ELASTIC_TASK_TYPE_STANDALONE,
+            task_function=task_function,
+            task_type_version=1,
+            **kwargs,
+        )
         self.rdzv_backend = "c10d"
         self.min_nodes, self.max_nodes = _node_range(task_config.nnodes)
 
@@ -126,7 +133,11 @@ def _lost_peer(err: BaseException | None) -> bool:
     """Whether ``err`` (or its cause) is a collective that failed because a peer rank is gone."""
     while err is not None:
         text = str(err)
-        if type(err).__name__ == "DistNetworkError" or "Connection closed by peer" in text or "Connection reset by peer" in text:
+        if (
+            type(err).__name__ == "DistNetworkError"
+            or "Connection closed by peer" in text
+            or "Connection reset by peer" in text
+        ):
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -147,7 +158,11 @@ def _rank_failure(task: str, world: int, err: FlyteUserRuntimeException) -> Exce
         raised = first.message if isinstance(first.message, str) else first.message.get("message", "")
         msg = f"{where} failed: {raised.strip()}"
         return RuntimeError(msg)
-    how = f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 else f"exited with code {first.exitcode}"
+    how = (
+        f"was killed by {signal.Signals(-first.exitcode).name}"
+        if first.exitcode < 0
+        else f"exited with code {first.exitcode}"
+    )
     msg = (
         f"{where} {how} without raising an error (killed, out of memory, or its node lost); the other ranks were "
         "stopped and nothing this attempt wrote is kept as the step's result: Flyte retries the task"

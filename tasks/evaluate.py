@@ -45,9 +45,17 @@ def find_checkpoint(cfg: RunConfig, run_id: str = "", checkpoint: str = "") -> R
     parent = checkpoint.rstrip("/").rsplit("/", 3)  # {root}/{run_id}/checkpoints/step_N
     owner = run_id or parent[-3]
     paths.check_name("run id", owner)
-    model_path = run_model(cfg, local=current_context().execution_id.name == "local")  # evaluate runs in a pod of its own
+    model_path = run_model(
+        cfg, local=current_context().execution_id.name == "local"
+    )  # evaluate runs in a pod of its own
     print(f"[grpoflow] evaluating {redact(checkpoint)} (run {owner}, step {state['step']})", flush=True)
-    return RunInfo(run_id=owner, mlflow_run_id=state["mlflow_run_id"], model_path=model_path, start_step=int(state["step"]), start_policy_path=checkpoint)
+    return RunInfo(
+        run_id=owner,
+        mlflow_run_id=state["mlflow_run_id"],
+        model_path=model_path,
+        start_step=int(state["step"]),
+        start_policy_path=checkpoint,
+    )
 
 
 def _newest(root: str, so: dict, run_id: str) -> str:
@@ -66,7 +74,10 @@ def _newest(root: str, so: dict, run_id: str) -> str:
             raise ValueError(msg)
         return found[-1][1]
     fs, base = fsspec.core.url_to_fs(root, **so)
-    markers = retry_transient(lambda: fs.glob(f"{base.rstrip('/')}/*/checkpoints/step_*/{ckpt.COMPLETE}", detail=True), what=f"{root}: list checkpoints")
+    markers = retry_transient(
+        lambda: fs.glob(f"{base.rstrip('/')}/*/checkpoints/step_*/{ckpt.COMPLETE}", detail=True),
+        what=f"{root}: list checkpoints",
+    )
     if not markers:
         msg = f"find_checkpoint: no complete checkpoint of any run under {redact(root)}; check dataplane.root"
         raise ValueError(msg)

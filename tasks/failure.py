@@ -15,8 +15,8 @@ import sys
 from flytekit import current_context, task
 from flytekit.types.error import FlyteError
 
-from tasks.run_config import RunConfig
 from tasks.placement import declared
+from tasks.run_config import RunConfig
 
 
 @task(**declared("cpu"))
@@ -34,7 +34,11 @@ def run_failed_from_file(config_url: str, err: FlyteError | None = None) -> None
     try:
         cfg = load_config(config_url)
     except Exception as exc:  # noqa: BLE001 - the workflow's own error is the one raised
-        print(f"[grpoflow] run failed before its config loaded ({type(exc).__name__}): no MLflow run to mark", file=sys.stderr, flush=True)
+        print(
+            f"[grpoflow] run failed before its config loaded ({type(exc).__name__}): no MLflow run to mark",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     mark_failed(cfg, err)
 
@@ -63,11 +67,19 @@ def mark_failed(cfg: RunConfig, err: FlyteError | None) -> list[str]:
             finally:
                 runtime.release_all()
         else:
-            failed = tracking.fail_execution_runs(cfg.tracking.uri, cfg.tracking.experiment_name, f"{execution.project}/{execution.domain}/{execution.name}")
+            failed = tracking.fail_execution_runs(
+                cfg.tracking.uri,
+                cfg.tracking.experiment_name,
+                f"{execution.project}/{execution.domain}/{execution.name}",
+            )
         lines = (err.message or "").strip().splitlines() if err is not None else []
         why = f" ({redact(lines[-1][:300])})" if lines else ""
     except Exception as exc:  # noqa: BLE001 - see above
-        print(f"[grpoflow] warning: could not mark the failed run's MLflow run FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(
+            f"[grpoflow] warning: could not mark the failed run's MLflow run FAILED: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         return failed
     for run_id in failed:
         print(f"[grpoflow] run failed{why} | MLflow run {run_id} marked FAILED", file=sys.stderr, flush=True)

@@ -49,7 +49,9 @@ def hf_folder(cfg: RunConfig, policy: PolicyVersion) -> Iterator[Path]:
     """
     from rl.checkpoint import local_copy
 
-    folder = Path(local_copy(policy.path, cfg.dataplane.storage_options, require_complete=policy.step > 0, weights_only=True)).resolve()
+    folder = Path(
+        local_copy(policy.path, cfg.dataplane.storage_options, require_complete=policy.step > 0, weights_only=True)
+    ).resolve()
     copied = folder != Path(policy.path.removeprefix("file://")).resolve()  # a remote checkpoint: a temporary copy
     try:
         with tempfile.TemporaryDirectory(prefix="grpoflow-model-") as tmp:
@@ -132,7 +134,10 @@ def finish_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, validation_a
     saving.prune_finished(cfg, run)
     removed = runtime.dataplane(cfg, run).collect_garbage()  # files of killed writers and losing attempts
     if any(removed.values()):
-        print(f"[grpoflow] removed {removed['orphan_data_files']} orphan data files and {removed['temp_files']} temporary files", flush=True)
+        print(
+            f"[grpoflow] removed {removed['orphan_data_files']} orphan data files and {removed['temp_files']} temporary files",
+            flush=True,
+        )
     c = tracking.client(cfg.tracking.uri)
     tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, runtime.startup_metric("finish_run", since), policy.step)
     history = {key: [(m.step, m.value) for m in c.get_metric_history(run.mlflow_run_id, key)] for key in plots.CURVES}
@@ -143,18 +148,34 @@ def finish_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, validation_a
     model = log_model_and_end_run(cfg, run, policy)  # ends the run: FINISHED
     ended = c.get_run(run.mlflow_run_id)
     final = ended.data.metrics
-    print(f"[grpoflow] done: {policy.step} steps | final reward {final.get('train/reward', float('nan')):.3f}"
-          f" | validation accuracy {validation_accuracy:.3f}", flush=True)
-    print(f"[grpoflow] MLflow run {run.mlflow_run_id} in {redact(cfg.tracking.uri)} (experiment {cfg.tracking.experiment_name!r})", flush=True)
+    print(
+        f"[grpoflow] done: {policy.step} steps | final reward {final.get('train/reward', float('nan')):.3f}"
+        f" | validation accuracy {validation_accuracy:.3f}",
+        flush=True,
+    )
+    print(
+        f"[grpoflow] MLflow run {run.mlflow_run_id} in {redact(cfg.tracking.uri)} (experiment {cfg.tracking.experiment_name!r})",
+        flush=True,
+    )
     print(f"[grpoflow] last checkpoint: {redact(policy.path)}", flush=True)
     registered = cfg.tracking.registered_model_name
-    where = f"models:/{registered}/{model.registered_model_version}" if registered else f"runs:/{run.mlflow_run_id}/{MODEL_NAME}"
+    where = (
+        f"models:/{registered}/{model.registered_model_version}"
+        if registered
+        else f"runs:/{run.mlflow_run_id}/{MODEL_NAME}"
+    )
     print(f"[grpoflow] final model: {where} (mlflow.transformers.load_model)", flush=True)
     if cfg.tracking.uri.startswith(("sqlite:", "file:", "/")) or "://" not in cfg.tracking.uri:
         print(f"[grpoflow] open it with: mlflow ui --backend-store-uri {cfg.tracking.uri}", flush=True)
-        print(f"[grpoflow] runs table: {tracking.runs_table_url('http://127.0.0.1:5000', ended.info.experiment_id)}", flush=True)
+        print(
+            f"[grpoflow] runs table: {tracking.runs_table_url('http://127.0.0.1:5000', ended.info.experiment_id)}",
+            flush=True,
+        )
     else:
-        print(f"[grpoflow] runs table: {redact(tracking.runs_table_url(cfg.tracking.uri, ended.info.experiment_id))}", flush=True)
+        print(
+            f"[grpoflow] runs table: {redact(tracking.runs_table_url(cfg.tracking.uri, ended.info.experiment_id))}",
+            flush=True,
+        )
     return RunSummary(
         run_id=run.run_id,
         mlflow_run_id=run.mlflow_run_id,

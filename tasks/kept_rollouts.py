@@ -104,7 +104,9 @@ def keep(cfg: RunConfig, run: RunInfo, dp: DataPlane, meta: KVBatchMeta, step: i
         msg = f"keep_rollouts of run {run.run_id!r} got the data plane of run {dp.run_id!r}"
         raise ValueError(msg)
     cols = dp.read(meta, list(_READ), layout="jagged")
-    table = to_table(cols, sample_ids=meta.sample_ids, step=step, where=f"partition {meta.partition_id!r} of run {run.run_id!r}")
+    table = to_table(
+        cols, sample_ids=meta.sample_ids, step=step, where=f"partition {meta.partition_id!r} of run {run.run_id!r}"
+    )
     buffer = io.BytesIO()
     pq.write_table(table, buffer, compression="zstd")
     url = rollouts_url(cfg.dataplane.root, run.run_id, step)
@@ -152,7 +154,10 @@ def to_table(cols: dict[str, Any], *, sample_ids: list[str], step: int, where: s
     columns = {
         STEP: pa.array(np.full(n, step, dtype=np.int64)),
         F.SAMPLE_ID: pa.array(sample_ids, pa.string()),
-        **{name: pa.array(cols[name].numpy().astype(np.int64)) for name in (F.PROMPT_INDEX, F.GENERATION_INDEX, F.WEIGHT_VERSION)},
+        **{
+            name: pa.array(cols[name].numpy().astype(np.int64))
+            for name in (F.PROMPT_INDEX, F.GENERATION_INDEX, F.WEIGHT_VERSION)
+        },
         **{name: pa.array(list(cols[name]), pa.string()) for name in (F.PROMPT_TEXT, F.RESPONSE_TEXT, F.ANSWER_TEXT)},
         F.REWARDS: pa.array(cols[F.REWARDS].float().numpy()),
         F.ADVANTAGES: pa.array(advantages),

@@ -79,7 +79,13 @@ def declared(role: str) -> dict[str, Any]:
     res: TaskResources = getattr(ResourcesConfig(), role)
     r = _resources(res)
     env = {"GRPOFLOW_IMAGE_REGISTRY": REGISTRY} if REGISTRY else None
-    return {"container_image": IMAGES[DEFAULT_IMAGE[role]], "requests": r, "limits": r, "environment": env, **_extended(res)}
+    return {
+        "container_image": IMAGES[DEFAULT_IMAGE[role]],
+        "requests": r,
+        "limits": r,
+        "environment": env,
+        **_extended(res),
+    }
 
 
 def image_reference(name: str, role: str) -> str | None:
@@ -96,7 +102,9 @@ def image_reference(name: str, role: str) -> str | None:
     from flytekit.core.context_manager import FlyteContextManager
 
     settings = FlyteContextManager.current_context().serialization_settings
-    found = settings.image_config.find_image(IMAGES[name].id) if settings is not None and settings.image_config else None
+    found = (
+        settings.image_config.find_image(IMAGES[name].id) if settings is not None and settings.image_config else None
+    )
     if found is None:
         msg = (
             f"config resources.{role}.image: the {name!r} image is not known to this execution (it is registered only "
@@ -141,12 +149,16 @@ def placed(cfg: RunConfig, task: Any, *, node_name: str | None = None) -> Callab
         if not isinstance(first, Promise) or FlyteContextManager.current_context().compilation_state is None:
             return out
         whole_steps = task.name.rsplit(".", 1)[-1] == "grpo_steps"
-        first.with_overrides(node_name=node_name, **overrides(cfg, role, image_name=steps_image(cfg) if whole_steps else None))
+        first.with_overrides(
+            node_name=node_name, **overrides(cfg, role, image_name=steps_image(cfg) if whole_steps else None)
+        )
         if isinstance(getattr(task, "task_config", None), DataParallel):
             # several nodes make the node a Kubeflow PyTorchJob of that many replicas (one node's ranks are read from the
             # config when the task runs, tasks.data_parallel). flytekit applies this override to the task object
             # itself, so it is set back as well when a config of one node follows one of several in this process.
-            nodes = DataParallel(nnodes=cfg.policy.nnodes, nproc_per_node=cfg.policy.nproc_per_node if cfg.policy.nnodes > 1 else 1)
+            nodes = DataParallel(
+                nnodes=cfg.policy.nnodes, nproc_per_node=cfg.policy.nproc_per_node if cfg.policy.nnodes > 1 else 1
+            )
             if task.task_config != nodes:
                 first.with_overrides(task_config=nodes)
         return out

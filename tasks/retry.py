@@ -69,7 +69,10 @@ def _retried_locally(task: PythonTask) -> bool:
     if not getattr(getattr(task, "task_function", None), _RETRIED_LOCALLY, False) or _in_local_attempt.get():
         return False
     remote = context_manager.ExecutionState.Mode.TASK_EXECUTION
-    return not any(c.execution_state is not None and c.execution_state.mode == remote for c in context_manager.flyte_context_Var.get())
+    return not any(
+        c.execution_state is not None and c.execution_state.mode == remote
+        for c in context_manager.flyte_context_Var.get()
+    )
 
 
 def _sandbox_execute_retried(self: PythonTask, ctx: FlyteContext, input_literal_map: LiteralMap) -> LiteralMap:
@@ -87,7 +90,11 @@ def _sandbox_execute_retried(self: PythonTask, ctx: FlyteContext, input_literal_
             if attempt == retries:
                 raise
             name = self.name.rsplit(".", 1)[-1]
-            print(f"[grpoflow] {name}: attempt {attempt + 1} of {retries + 1} failed (recoverable: {_reason(err)}); retrying", file=sys.stderr, flush=True)
+            print(
+                f"[grpoflow] {name}: attempt {attempt + 1} of {retries + 1} failed (recoverable: {_reason(err)}); retrying",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
             _in_local_attempt.reset(token)
     raise AssertionError("unreachable")
@@ -104,6 +111,8 @@ def _reason(err: Recoverable) -> str:
 
 
 # flytekit has no hook for a local attempt; this method is its one place (a pod runs ``dispatch_execute`` itself)
-_sandbox_execute: Callable[[Any, FlyteContext, LiteralMap], LiteralMap] = getattr(PythonTask.sandbox_execute, "__wrapped__", PythonTask.sandbox_execute)
+_sandbox_execute: Callable[[Any, FlyteContext, LiteralMap], LiteralMap] = getattr(
+    PythonTask.sandbox_execute, "__wrapped__", PythonTask.sandbox_execute
+)
 _sandbox_execute_retried.__wrapped__ = _sandbox_execute  # type: ignore[attr-defined]  # a reload of this module wraps it once
 PythonTask.sandbox_execute = _sandbox_execute_retried  # type: ignore[method-assign]

@@ -49,17 +49,29 @@ class TaskResources(Section):
         check_fields(self)
         where = section_name(type(self), "resources")
         if not (self.image in _IMAGE_NAMES or ("/" in self.image or ":" in self.image) and " " not in self.image):
-            fail(f"{where}.image", f"{self.image!r} is neither an image name nor an image reference", f"use one of {list(_IMAGE_NAMES)} or a reference such as 'ghcr.io/acme/grpoflow:v1'")
+            fail(
+                f"{where}.image",
+                f"{self.image!r} is neither an image name nor an image reference",
+                f"use one of {list(_IMAGE_NAMES)} or a reference such as 'ghcr.io/acme/grpoflow:v1'",
+            )
         if self.gpu < 0:
             fail(f"{where}.gpu", f"is {self.gpu}", "use 0 (CPU) or the number of GPUs per task")
         if self.accelerator is not None and self.gpu == 0:
-            fail(f"{where}.accelerator", f"{self.accelerator!r} is set but gpu is 0", "set gpu >= 1 or accelerator: null")
+            fail(
+                f"{where}.accelerator", f"{self.accelerator!r} is set but gpu is 0", "set gpu >= 1 or accelerator: null"
+            )
         if self.accelerator is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", self.accelerator):
-            fail(f"{where}.accelerator", f"{self.accelerator!r} is not an accelerator name", "use e.g. 'nvidia-h100' or 'nvidia-tesla-a100'")
+            fail(
+                f"{where}.accelerator",
+                f"{self.accelerator!r} is not an accelerator name",
+                "use e.g. 'nvidia-h100' or 'nvidia-tesla-a100'",
+            )
         for key in ("cpu", "memory", "shared_memory"):
             value = getattr(self, key)
             if value is not None and (not _QUANTITY.fullmatch(value) or quantity(value) <= 0):
-                fail(f"{where}.{key}", f"{value!r} is not a positive Kubernetes quantity", "use e.g. '2', '500m', '16Gi'")
+                fail(
+                    f"{where}.{key}", f"{value!r} is not a positive Kubernetes quantity", "use e.g. '2', '500m', '16Gi'"
+                )
 
 
 @dataclass
@@ -105,7 +117,11 @@ class ResourcesConfig(Section):
     def __post_init__(self) -> None:
         check_fields(self)
         if type(self.steps_per_task) is not int or self.steps_per_task < 1:
-            fail("resources.steps_per_task", f"is {self.steps_per_task!r}", "use 1 (a node per task) or the number of steps one task runs")
+            fail(
+                "resources.steps_per_task",
+                f"is {self.steps_per_task!r}",
+                "use 1 (a node per task) or the number of steps one task runs",
+            )
 
 
 @config_root
@@ -118,14 +134,30 @@ class RunConfig(GRPOConfig):
         super().__post_init__()
         gpus, ranks = self.resources.train.gpu, self.policy.nproc_per_node
         if 0 < gpus < ranks:
-            fail("policy.nproc_per_node", f"is {ranks} but resources.train.gpu is {gpus}", "give each rank its own GPU: set resources.train.gpu to nproc_per_node")
+            fail(
+                "policy.nproc_per_node",
+                f"is {ranks} but resources.train.gpu is {gpus}",
+                "give each rank its own GPU: set resources.train.gpu to nproc_per_node",
+            )
         k = self.resources.steps_per_task
         if k > 1 and self.grpo.max_trajectory_age_steps > 0:
-            fail("resources.steps_per_task", f"is {k} with grpo.max_trajectory_age_steps {self.grpo.max_trajectory_age_steps}", "use steps_per_task 1 for async GRPO (its rollouts run beside training on their own nodes)")
+            fail(
+                "resources.steps_per_task",
+                f"is {k} with grpo.max_trajectory_age_steps {self.grpo.max_trajectory_age_steps}",
+                "use steps_per_task 1 for async GRPO (its rollouts run beside training on their own nodes)",
+            )
         if k > 1 and self.policy.world_size > 1:
-            fail("resources.steps_per_task", f"is {k} with {self.policy.world_size} training processes", "use steps_per_task 1 with data- or model-parallel ranks (their train task is a multi-process job)")
+            fail(
+                "resources.steps_per_task",
+                f"is {k} with {self.policy.world_size} training processes",
+                "use steps_per_task 1 with data- or model-parallel ranks (their train task is a multi-process job)",
+            )
         if k > 1 and self.policy.backend == "megatron" and self.generation.backend == "vllm":
-            fail("resources.steps_per_task", f"is {k} with policy.backend megatron and generation.backend vllm", "no image holds both (vLLM pins its own torch): use steps_per_task 1, or generation.backend transformers")
+            fail(
+                "resources.steps_per_task",
+                f"is {k} with policy.backend megatron and generation.backend vllm",
+                "no image holds both (vLLM pins its own torch): use steps_per_task 1, or generation.backend transformers",
+            )
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
@@ -151,7 +183,21 @@ class RunConfig(GRPOConfig):
         return cfg
 
 
-_SUFFIXES = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_SUFFIXES = {
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def quantity(value: str) -> float:
@@ -187,19 +233,39 @@ def check_placement(cfg: RunConfig, *, local: bool) -> None:
     if local:
         cores = os.cpu_count() or 1
         if ranks > cores:
-            fail("policy.nproc_per_node", f"is {ranks} but this machine has {cores} CPU cores (a local run starts every rank here)", f"use at most {cores}")
+            fail(
+                "policy.nproc_per_node",
+                f"is {ranks} but this machine has {cores} CPU cores (a local run starts every rank here)",
+                f"use at most {cores}",
+            )
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
         if vllm and memory and kv_gib * 2**30 >= memory:
-            fail("generation.vllm_cfg.cpu_kv_cache_gib", f"is {kv_gib:g} GiB but this machine has {memory / 2**30:.1f} GiB of memory", "use a few GiB, e.g. 2 (the cache holds only the rollout's sequences)")
+            fail(
+                "generation.vllm_cfg.cpu_kv_cache_gib",
+                f"is {kv_gib:g} GiB but this machine has {memory / 2**30:.1f} GiB of memory",
+                "use a few GiB, e.g. 2 (the cache holds only the rollout's sequences)",
+            )
         return
     train, rollout = cfg.resources.train, cfg.resources.rollout
     if cfg.policy.backend == "megatron" and train.gpu < 1:
-        fail("resources.train.gpu", "is 0 but policy.backend 'megatron' runs only on CUDA GPUs", "set it to policy.nproc_per_node")
+        fail(
+            "resources.train.gpu",
+            "is 0 but policy.backend 'megatron' runs only on CUDA GPUs",
+            "set it to policy.nproc_per_node",
+        )
     cores = math.ceil(quantity(train.cpu))
     if train.gpu == 0 and ranks > cores:
-        fail("policy.nproc_per_node", f"is {ranks} CPU ranks but resources.train.cpu gives each train pod {train.cpu} cores", f"use at most {cores} ranks, or raise resources.train.cpu")
+        fail(
+            "policy.nproc_per_node",
+            f"is {ranks} CPU ranks but resources.train.cpu gives each train pod {train.cpu} cores",
+            f"use at most {cores} ranks, or raise resources.train.cpu",
+        )
     if vllm and rollout.gpu == 0 and kv_gib * 2**30 >= quantity(rollout.memory):
-        fail("generation.vllm_cfg.cpu_kv_cache_gib", f"is {kv_gib:g} GiB but a rollout pod has resources.rollout.memory {rollout.memory}", "lower it (e.g. 2), or raise resources.rollout.memory above it plus the model")
+        fail(
+            "generation.vllm_cfg.cpu_kv_cache_gib",
+            f"is {kv_gib:g} GiB but a rollout pod has resources.rollout.memory {rollout.memory}",
+            "lower it (e.g. 2), or raise resources.rollout.memory above it plus the model",
+        )
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:

@@ -205,7 +205,9 @@ def generation_exclusive(run: RunInfo) -> Iterator[None]:
         found.resume_after_refit()
 
 
-def policy(cfg: RunConfig, run: RunInfo, version: PolicyVersion | None = None, *, training: bool = False) -> PolicyBackend:
+def policy(
+    cfg: RunConfig, run: RunInfo, version: PolicyVersion | None = None, *, training: bool = False
+) -> PolicyBackend:
     """The run's policy back-end; with ``version``, holding those weights (and, with ``training``, their optimizer
     state). Without ``version`` it may hold none: enough for reference-policy logprobs.
 
@@ -219,7 +221,9 @@ def policy(cfg: RunConfig, run: RunInfo, version: PolicyVersion | None = None, *
         cls = registry.load("policy", cfg.policy.backend)
         base = base_model(cfg, run)  # the reference policy too: from the node cache
         pol = _BACKENDS[(run.run_id, "policy")] = cls(cfg, tokenizer=tokenizer(base), reference_path=base)
-    if version is not None and (pol.weight_version != version.step or (training and not pol.has_optimizer_state(version))):
+    if version is not None and (
+        pol.weight_version != version.step or (training and not pol.has_optimizer_state(version))
+    ):
         pol.load_checkpoint(_local_base(cfg, run, version), with_optimizer=training)
     return pol
 

@@ -46,7 +46,10 @@ def save_policy(cfg: RunConfig, run: RunInfo, backend: PolicyBackend, *, started
     state = checkpoint.TrainerState(step=step, mlflow_run_id=run.mlflow_run_id, extra={"data_position": step})
     # never prune: this save (a killed run may have left newer folders, which would count as the newest), the input
     # of this step (for its retry), and the policies later rollouts generate with (async)
-    keep = {started_from.path, *(policy_url(cfg, run, v) for v in range(max(step - cfg.grpo.max_trajectory_age_steps, 0), step + 1))}
+    keep = {
+        started_from.path,
+        *(policy_url(cfg, run, v) for v in range(max(step - cfg.grpo.max_trajectory_age_steps, 0), step + 1)),
+    }
     if run.task_input_policy:  # a task running several steps: its input, for its retry
         keep.add(run.task_input_policy)
     if checkpoint_due(cfg, step):
@@ -58,7 +61,9 @@ def save_policy(cfg: RunConfig, run: RunInfo, backend: PolicyBackend, *, started
         url = paths.weights_step_dir(root, run.run_id, step)
     else:  # weights only; in a cold process also the trainer state: how it reaches the next step's train task
         url = paths.weights_step_dir(root, run.run_id, step)
-        backend.save_checkpoint(url, trainer_state=state if run.cold_tasks else None, serving_dtype=serving_dtype(cfg, run))
+        backend.save_checkpoint(
+            url, trainer_state=state if run.cold_tasks else None, serving_dtype=serving_dtype(cfg, run)
+        )
         checkpoint.prune(paths.weights_dir(root, run.run_id), 1, so, keep=keep)
     return PolicyVersion(step=step, path=url)
 
@@ -68,7 +73,11 @@ def policy_url(cfg: RunConfig, run: RunInfo, step: int) -> str:
     from dataplane import paths
 
     root = cfg.dataplane.root
-    return paths.checkpoint_dir(root, run.run_id, step) if checkpoint_due(cfg, step) else paths.weights_step_dir(root, run.run_id, step)
+    return (
+        paths.checkpoint_dir(root, run.run_id, step)
+        if checkpoint_due(cfg, step)
+        else paths.weights_step_dir(root, run.run_id, step)
+    )
 
 
 def saved_version(cfg: RunConfig, run: RunInfo, step: int) -> PolicyVersion | None:

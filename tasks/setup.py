@@ -21,7 +21,6 @@ def start_run(cfg: RunConfig) -> RunInfo:
     run's handle."""
     from dataplane.urls import redact
     from rl.backends.registry import check_installed
-    from rl.data import train_problems, val_problems
     from tasks import runtime, tracking
 
     since = runtime.begin_task()
@@ -57,13 +56,22 @@ def start_run(cfg: RunConfig) -> RunInfo:
     params = cfg.flat_params()
     params["model.resolved_path"] = redact(model_path)
     mlflow_run_id = tracking.start_run(
-        uri=cfg.tracking.uri, experiment_name=cfg.tracking.experiment_name, run_name=cfg.tracking.run_name or (None if local else execution.name),
-        params=params, tags=tags, reuse_tag=None if local else "flyte.execution_id",
+        uri=cfg.tracking.uri,
+        experiment_name=cfg.tracking.experiment_name,
+        run_name=cfg.tracking.run_name or (None if local else execution.name),
+        params=params,
+        tags=tags,
+        reuse_tag=None if local else "flyte.execution_id",
     )
     tracking.log_metrics(cfg.tracking.uri, mlflow_run_id, runtime.startup_metric("start_run", since), 0)
     print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {redact(model_path)}", flush=True)
     return RunInfo(
-        run_id=run_id, mlflow_run_id=mlflow_run_id, model_path=model_path, start_step=0, start_policy_path=model_path, cold_tasks=cold
+        run_id=run_id,
+        mlflow_run_id=mlflow_run_id,
+        model_path=model_path,
+        start_step=0,
+        start_policy_path=model_path,
+        cold_tasks=cold,
     )
 
 
@@ -80,12 +88,29 @@ def _check_lengths(cfg: RunConfig, folder: str) -> None:
     limit = context_limit(cfg, model_max_len(folder)) if os.path.isdir(folder) else None  # a hub id: its tasks check
     if limit is not None:
         check_fits([], cfg.generation.max_new_tokens, *limit)  # before the dataset: no prompt fits then
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=cfg.grpo.num_prompts_per_step)
+    problems = train_problems(
+        dataset=d.dataset,
+        dataset_kwargs=d.dataset_kwargs,
+        seed=d.seed,
+        val_fraction=d.val_fraction,
+        start=0,
+        count=cfg.grpo.num_prompts_per_step,
+    )
     if cfg.grpo.val_period or cfg.grpo.val_at_start:
-        problems += val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
+        problems += val_problems(
+            dataset=d.dataset,
+            dataset_kwargs=d.dataset_kwargs,
+            seed=d.val_seed,
+            val_fraction=d.val_fraction,
+            count=d.num_val_problems,
+        )
     if limit is not None:
         tokenizer = load_tokenizer(folder)
-        check_fits([len(prompt_token_ids(tokenizer, p.question, d.system_prompt)) for p in problems], cfg.generation.max_new_tokens, *limit)
+        check_fits(
+            [len(prompt_token_ids(tokenizer, p.question, d.system_prompt)) for p in problems],
+            cfg.generation.max_new_tokens,
+            *limit,
+        )
 
 
 def run_model(cfg: RunConfig, *, local: bool) -> str:
@@ -130,7 +155,10 @@ def _shared(cfg: RunConfig, resolved: str, folder: str, *, local: bool) -> str:
 
     if local or is_remote(resolved) or not os.path.isdir(folder):
         if not local and not is_remote(resolved):
-            print(f"[grpoflow] model {resolved!r} is not a local folder: every pod loads it from the Hugging Face hub itself", flush=True)
+            print(
+                f"[grpoflow] model {resolved!r} is not a local folder: every pod loads it from the Hugging Face hub itself",
+                flush=True,
+            )
         return resolved
     return publish(folder, cfg.dataplane.root, cfg.dataplane.storage_options)
 
@@ -175,7 +203,11 @@ def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = 
             break
         except IntegrityError as err:
             bad.append(f"{redact(url)}: {err}")
-            print(f"[grpoflow] warning: not resuming from checkpoint {redact(url)} (step {step}): {err}", file=sys.stderr, flush=True)
+            print(
+                f"[grpoflow] warning: not resuming from checkpoint {redact(url)} (step {step}): {err}",
+                file=sys.stderr,
+                flush=True,
+            )
     else:
         msg = (
             f"checkpointing.resume_run_id={run_id!r}: none of the {len(found)} complete checkpoints under {redact(where)} "
@@ -187,7 +219,10 @@ def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = 
     remote = None if execution.name == "local" else f"{execution.project}/{execution.domain}/{execution.name}"
     tracking.reopen_run(cfg.tracking.uri, state["mlflow_run_id"], execution=remote)  # its failure handler finds it
     older = f", skipping {len(bad)} newer checkpoint(s) that fail verification" if bad else ""
-    print(f"[grpoflow] resuming run {run_id} from step {step} ({redact(url)}){older} | MLflow run {state['mlflow_run_id']}", flush=True)
+    print(
+        f"[grpoflow] resuming run {run_id} from step {step} ({redact(url)}){older} | MLflow run {state['mlflow_run_id']}",
+        flush=True,
+    )
     return RunInfo(
         run_id=run_id,
         mlflow_run_id=state["mlflow_run_id"],

@@ -40,7 +40,13 @@ def client(uri: str) -> Any:
 
 
 def start_run(
-    *, uri: str, experiment_name: str, run_name: str | None, params: dict[str, str], tags: dict[str, str], reuse_tag: str | None = None
+    *,
+    uri: str,
+    experiment_name: str,
+    run_name: str | None,
+    params: dict[str, str],
+    tags: dict[str, str],
+    reuse_tag: str | None = None,
 ) -> str:
     """Create the run (and the experiment if needed); return its id.
 
@@ -56,7 +62,9 @@ def start_run(
         artifact_location = None
         if uri.startswith("sqlite:///"):
             artifact_location = (Path(uri.removeprefix("sqlite:///")).parent.resolve() / "mlartifacts").as_uri()
-        exp_id = c.create_experiment(experiment_name, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        exp_id = c.create_experiment(
+            experiment_name, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+        )
     else:
         exp_id = exp.experiment_id
         if EXPERIMENT_KIND_TAG not in exp.tags:
@@ -112,7 +120,9 @@ def fail_execution_runs(uri: str, experiment_name: str, execution: str) -> list[
     if exp is None:
         return []
     value = execution.replace("'", "")
-    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{EXECUTION_TAG}` = '{value}' and attributes.status = 'RUNNING'")
+    found = c.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{EXECUTION_TAG}` = '{value}' and attributes.status = 'RUNNING'"
+    )
     for run in found:
         set_terminated(uri, run.info.run_id, "FAILED")
     return [run.info.run_id for run in found]

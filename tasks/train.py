@@ -61,14 +61,19 @@ def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMet
     step = policy.step + 1
     lead = distributed.rank() == 0
     dp = runtime.dataplane(cfg, run)
-    finished = distributed.broadcast_object(_finished_attempt(cfg, run, step) if lead else None)  # one answer for all ranks
+    finished = distributed.broadcast_object(
+        _finished_attempt(cfg, run, step) if lead else None
+    )  # one answer for all ranks
     if finished is not None:  # an earlier attempt saved, logged and maybe cleared, then died before returning
         from dataplane.urls import redact
 
         if lead:
             runtime.publish(run, finished)
             _clear_partitions(cfg, dp, step)
-            print(f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | done by an earlier attempt: {redact(finished.path)}", flush=True)
+            print(
+                f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | done by an earlier attempt: {redact(finished.path)}",
+                flush=True,
+            )
         return finished
     wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
     backend = runtime.policy(cfg, run, policy, training=True)
@@ -78,7 +83,9 @@ def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMet
         metrics = backend.train_from_meta(meta, dp, fields=wanted, rows_per_update=cfg.global_batch_size)
         trained = time.time()
         fault_drill("train")
-        backend.prepare_checkpoint(with_trainer_state=saving.saves_trainer_state(cfg, run, step))  # model-parallel shards to rank 0
+        backend.prepare_checkpoint(
+            with_trainer_state=saving.saves_trainer_state(cfg, run, step)
+        )  # model-parallel shards to rank 0
         distributed.barrier()  # rank 0 commits the step only once every rank has finished it
         if not lead:
             return policy  # rank 0's result is the task's; the others' is dropped
@@ -113,16 +120,26 @@ def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMet
     return new_policy
 
 
-def _step_metrics(meta: KVBatchMeta, metrics: dict[str, float], ready: dict[str, float], *, started: float, trained: float) -> dict[str, float]:
+def _step_metrics(
+    meta: KVBatchMeta, metrics: dict[str, float], ready: dict[str, float], *, started: float, trained: float
+) -> dict[str, float]:
     """The step's metrics known before its save: the update's (``train/*``), the rollout's, advantages' and earlier
     tasks' (from ``meta.extra_info``), and the timings up to the end of the update."""
     info = meta.extra_info
     out = {f"train/{k}": v for k, v in metrics.items()}
     out.update({f"train/{k.removeprefix('rollout/')}": v for k, v in info.items() if k.startswith("rollout/")})
-    out.update({f"train/{k}": v for k, v in info.items() if k.startswith(("advantages/", "baseline_reward/", "reward_shaping/"))})
+    out.update(
+        {
+            f"train/{k}": v
+            for k, v in info.items()
+            if k.startswith(("advantages/", "baseline_reward/", "reward_shaping/"))
+        }
+    )
     out.update({k: v for k, v in info.items() if k.startswith("timing/")})
     out.update(ready)
-    out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get("timing/train/ref_lp", 0.0)
+    out["timing/train/policy_and_reference_logprobs"] = info.get("timing/train/prev_lp", 0.0) + info.get(
+        "timing/train/ref_lp", 0.0
+    )
     out["timing/train/policy_training"] = trained - started
     return out
 

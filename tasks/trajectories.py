@@ -64,10 +64,16 @@ def buffered_batch(cfg: RunConfig, run: RunInfo, step: int) -> KVBatchMeta | Non
     version = int(meta.extra_info["rollout/weight_version"])
     age = trajectory_age(step, version)
     if 0 <= age <= cfg.grpo.max_trajectory_age_steps:
-        print(f"[grpoflow] step {step}: taking the batch buffered in the data plane (weight version {version}, age {age})", flush=True)
+        print(
+            f"[grpoflow] step {step}: taking the batch buffered in the data plane (weight version {version}, age {age})",
+            flush=True,
+        )
         return meta
     dp.clear(partition)
-    print(f"[grpoflow] step {step}: evicted a buffered batch {age} steps old (bound {cfg.grpo.max_trajectory_age_steps})", flush=True)
+    print(
+        f"[grpoflow] step {step}: evicted a buffered batch {age} steps old (bound {cfg.grpo.max_trajectory_age_steps})",
+        flush=True,
+    )
     return None
 
 
@@ -120,7 +126,9 @@ class TrajectoryCollector:
         self._thread.start()
         return self
 
-    def set_weight_version(self, version: PolicyVersion, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    def set_weight_version(
+        self, version: PolicyVersion, weights: Iterable[tuple[str, torch.Tensor]] | None = None
+    ) -> None:
         """Publish the policy of ``version.step``; ``weights`` (HF names) are copied now, so the trainer may move on."""
         if self.max_age and not target_steps(version.step, self.max_age, self.start_step, self.max_num_steps):
             weights = None  # no step left to generate with it
@@ -194,12 +202,16 @@ class TrajectoryCollector:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
-                self.buffer.add(Trajectories(step=step, weight_version=version_used, meta=meta, generation_s=time.time() - t0))
+                self.buffer.add(
+                    Trajectories(step=step, weight_version=version_used, meta=meta, generation_s=time.time() - t0)
+                )
         except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-            failure = RuntimeError(f"the trajectory collector failed generating step {step}: {type(err).__name__}: {err}")
+            failure = RuntimeError(
+                f"the trajectory collector failed generating step {step}: {type(err).__name__}: {err}"
+            )
             failure.__cause__ = err
             self.buffer.fail(failure)
 

@@ -23,7 +23,9 @@ def validate(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> float:
     return greedy_accuracy(cfg, run, policy, since=since, kind="validation", task="validate")
 
 
-def greedy_accuracy(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, *, since: float, kind: str, task: str) -> float:
+def greedy_accuracy(
+    cfg: RunConfig, run: RunInfo, policy: PolicyVersion, *, since: float, kind: str, task: str
+) -> float:
     """Greedy completions of ``policy`` on ``data.num_val_problems`` held-out questions, through the partition
     ``{kind}_{step}`` of the run's data plane; logs ``{kind}/accuracy``, ``{kind}/avg_length`` (tokens per
     completion), ``{kind}/reward`` and ``timing/{task}/startup`` at ``policy.step`` in the run's MLflow run, and the
@@ -45,12 +47,20 @@ def greedy_accuracy(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, *, sinc
     started = time.time()
     runtime.set_threads()
     d = cfg.data
-    problems = val_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.val_seed, val_fraction=d.val_fraction, count=d.num_val_problems)
+    problems = val_problems(
+        dataset=d.dataset,
+        dataset_kwargs=d.dataset_kwargs,
+        seed=d.val_seed,
+        val_fraction=d.val_fraction,
+        count=d.num_val_problems,
+    )
     with runtime.generation_exclusive(run):  # an async run's collector lends its back-end for the validation
         generator = runtime.generation(cfg, run, policy)
         ready = runtime.startup_metric(task, since)
         t0 = time.perf_counter()
-        groups = generate_groups(generator, runtime.base_tokenizer(cfg, run), problems, cfg, group_size=1, greedy=True, seed=cfg.grpo.seed)
+        groups = generate_groups(
+            generator, runtime.base_tokenizer(cfg, run), problems, cfg, group_size=1, greedy=True, seed=cfg.grpo.seed
+        )
         gen_s = time.perf_counter() - t0
     columns = to_columns(groups, torch.ones(len(problems), dtype=torch.bool), group_size=1, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
@@ -79,7 +89,9 @@ def greedy_accuracy(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, *, sinc
         "correct": [bool(c) for c in correct],
     }
     if logged:  # MLflow's log_table appends: a re-run (a retry, a repeated evaluation) must not add the rows again
-        tracking.client(cfg.tracking.uri).log_table(run.mlflow_run_id, data=table, artifact_file=f"{kind}/step_{policy.step:06d}.json")
+        tracking.client(cfg.tracking.uri).log_table(
+            run.mlflow_run_id, data=table, artifact_file=f"{kind}/step_{policy.step:06d}.json"
+        )
     print(
         f"[grpoflow] {kind} at step {policy.step} | accuracy {accuracy:.3f} on {len(problems)} held-out problems"
         f" | avg length {float(lengths):.1f} | {gen_s:.1f} s",

@@ -69,8 +69,14 @@ class OnDevice(torch.Tensor):
     @staticmethod
     def __new__(cls, elem: torch.Tensor) -> OnDevice:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[return-value]
-            cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
-            layout=elem.layout, device=DEVICE, requires_grad=elem.requires_grad,
+            cls,
+            elem.shape,
+            strides=elem.stride(),
+            storage_offset=elem.storage_offset(),
+            dtype=elem.dtype,
+            layout=elem.layout,
+            device=DEVICE,
+            requires_grad=elem.requires_grad,
         )
 
     def __init__(self, elem: torch.Tensor) -> None:
@@ -149,7 +155,11 @@ class FakeDevice(TorchDispatchMode):
         device_in = any(isinstance(a, OnDevice) for a in flat)
         # CUDA takes a 0-dim host tensor as a scalar in elementwise ops only (cat, index ops, ... refuse it)
         scalars_ok = torch.Tag.pointwise in func.tags
-        host_in = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, OnDevice) and (a.dim() > 0 or not scalars_ok)]
+        host_in = [
+            a
+            for a in flat
+            if isinstance(a, torch.Tensor) and not isinstance(a, OnDevice) and (a.dim() > 0 or not scalars_ok)
+        ]
         target = kwargs.get("device")
         to_device = target is not None and torch.device(target).type != "cpu"
         to_host = target is not None and torch.device(target).type == "cpu"
@@ -160,8 +170,10 @@ class FakeDevice(TorchDispatchMode):
         self._check_generator(func, flat, on_device=device_in or to_device)
         if func is aten._to_copy.default and device_in and to_host or func in _READS and device_in:
             self.syncs.append(Transfer(str(func), tuple(args[0].shape), _caller()))
-        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and device_in and any(
-            i is not None and i.dtype == torch.bool for i in args[1]
+        if (
+            func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
+            and device_in
+            and any(i is not None and i.dtype == torch.bool for i in args[1])
         ):
             self.syncs.append(Transfer("boolean-mask index", tuple(args[0].shape), _caller()))
         if func is aten.copy_.default and not isinstance(args[0], OnDevice) and isinstance(args[1], OnDevice):
@@ -185,7 +197,9 @@ class FakeDevice(TorchDispatchMode):
 
     def _upload(self, src: torch.Tensor, kwargs: dict) -> Transfer:
         pinned = any(src is p for p in self.pinned)
-        return Transfer("upload", tuple(src.shape), _caller(), non_blocking=bool(kwargs.get("non_blocking")), pinned=pinned)
+        return Transfer(
+            "upload", tuple(src.shape), _caller(), non_blocking=bool(kwargs.get("non_blocking")), pinned=pinned
+        )
 
     @staticmethod
     def _check_generator(func, flat: list, *, on_device: bool) -> None:  # noqa: ANN001

@@ -62,7 +62,15 @@ class Pods:
         subs = {s.id.name: s for s in spec.sub_workflows}
         return self._run_nodes(spec.template.nodes, spec.template.outputs, inputs, tasks, subs, prefix="")
 
-    def _run_nodes(self, nodes: list[Any], outputs: list[Any], inputs: dict[str, Any], tasks: dict[str, Any], subs: dict[str, Any], prefix: str) -> dict[str, Any]:
+    def _run_nodes(
+        self,
+        nodes: list[Any],
+        outputs: list[Any],
+        inputs: dict[str, Any],
+        tasks: dict[str, Any],
+        subs: dict[str, Any],
+        prefix: str,
+    ) -> dict[str, Any]:
         done: dict[str, dict[str, Any]] = {"start-node": inputs}
         pending = [n for n in nodes if n.id not in ("start-node", "end-node")]
         while pending:
@@ -76,10 +84,19 @@ class Pods:
             if node.task_node is not None:
                 template = tasks[node.task_node.reference_id.name]
                 self.placements[f"{prefix}{node.id}"] = node.task_node.overrides
-                done[node.id] = self._run_task(f"{prefix}{node.id}", template, node_inputs, node.metadata.retries.retries if node.metadata and node.metadata.retries else 0, tasks, subs)
+                done[node.id] = self._run_task(
+                    f"{prefix}{node.id}",
+                    template,
+                    node_inputs,
+                    node.metadata.retries.retries if node.metadata and node.metadata.retries else 0,
+                    tasks,
+                    subs,
+                )
             elif node.workflow_node is not None:
                 sub = subs[node.workflow_node.sub_workflow_ref.name]
-                done[node.id] = self._run_nodes(sub.nodes, sub.outputs, node_inputs, tasks, subs, prefix=f"{prefix}{node.id}-")
+                done[node.id] = self._run_nodes(
+                    sub.nodes, sub.outputs, node_inputs, tasks, subs, prefix=f"{prefix}{node.id}-"
+                )
             else:
                 msg = f"node {node.id}: only task and sub-workflow nodes are supported here"
                 raise NotImplementedError(msg)
@@ -92,9 +109,9 @@ class Pods:
         def refs(bd: Any) -> None:
             if bd.promise is not None:
                 ids.add(bd.promise.node_id)
-            for item in (bd.collection.bindings if bd.collection is not None else []):
+            for item in bd.collection.bindings if bd.collection is not None else []:
                 refs(item)
-            for item in (bd.map.bindings.values() if bd.map is not None else []):
+            for item in bd.map.bindings.values() if bd.map is not None else []:
                 refs(item)
 
         for b in node.inputs:
@@ -114,13 +131,23 @@ class Pods:
                 raise NotImplementedError(msg)
             return value
         if bd.collection is not None:
-            return Literal(collection=LiteralCollection(literals=[self._literal(b, done) for b in bd.collection.bindings]))
+            return Literal(
+                collection=LiteralCollection(literals=[self._literal(b, done) for b in bd.collection.bindings])
+            )
         if bd.map is not None:
             return Literal(map=LiteralMap(literals={k: self._literal(b, done) for k, b in bd.map.bindings.items()}))
         msg = f"unsupported binding {bd}"
         raise NotImplementedError(msg)
 
-    def _run_task(self, node_id: str, template: Any, inputs: dict[str, Any], retries: int, tasks: dict[str, Any], subs: dict[str, Any]) -> dict[str, Any]:
+    def _run_task(
+        self,
+        node_id: str,
+        template: Any,
+        inputs: dict[str, Any],
+        retries: int,
+        tasks: dict[str, Any],
+        subs: dict[str, Any],
+    ) -> dict[str, Any]:
         from flyteidl.core import dynamic_job_pb2, errors_pb2, literals_pb2
         from flytekit.models.dynamic_job import DynamicJobSpec
         from flytekit.models.literals import LiteralMap
@@ -140,19 +167,30 @@ class Pods:
                 **{k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "FLYTE_INTERNAL"))},
                 **{k: v for k, v in (template.container.env or {}).items()},
                 # the pod's own caches, whatever this machine's environment says: nothing reaches a pod but storage
-                "GRPOFLOW_CACHE": str(home / ".cache" / "grpoflow"), "GRPOFLOW_MODEL_CACHE": str(home / ".cache" / "grpoflow-node"),
-                "HF_HOME": str(home / ".cache" / "huggingface"), "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(home / ".cache"),
+                "GRPOFLOW_CACHE": str(home / ".cache" / "grpoflow"),
+                "GRPOFLOW_MODEL_CACHE": str(home / ".cache" / "grpoflow-node"),
+                "HF_HOME": str(home / ".cache" / "huggingface"),
+                "HF_HUB_OFFLINE": "1",
+                "XDG_CACHE_HOME": str(home / ".cache"),
                 **self.env,
-                "HOME": str(home), "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT),
-                "FLYTE_INTERNAL_EXECUTION_PROJECT": self.project, "FLYTE_INTERNAL_EXECUTION_DOMAIN": self.domain,
-                "FLYTE_INTERNAL_EXECUTION_ID": self.execution, "FLYTE_INTERNAL_EXECUTION_WORKFLOW": "workflows.grpo.grpo",
-                "FLYTE_INTERNAL_TASK_PROJECT": self.project, "FLYTE_INTERNAL_TASK_DOMAIN": self.domain,
-                "FLYTE_INTERNAL_TASK_NAME": template.id.name, "FLYTE_INTERNAL_TASK_VERSION": template.id.version,
+                "HOME": str(home),
+                "TMPDIR": str(tmp),
+                "PYTHONPATH": str(ROOT),
+                "FLYTE_INTERNAL_EXECUTION_PROJECT": self.project,
+                "FLYTE_INTERNAL_EXECUTION_DOMAIN": self.domain,
+                "FLYTE_INTERNAL_EXECUTION_ID": self.execution,
+                "FLYTE_INTERNAL_EXECUTION_WORKFLOW": "workflows.grpo.grpo",
+                "FLYTE_INTERNAL_TASK_PROJECT": self.project,
+                "FLYTE_INTERNAL_TASK_DOMAIN": self.domain,
+                "FLYTE_INTERNAL_TASK_NAME": template.id.name,
+                "FLYTE_INTERNAL_TASK_VERSION": template.id.version,
                 "FLYTE_ATTEMPT_NUMBER": str(attempt),
             }
             t0 = time.time()
             try:
-                proc = subprocess.run(args, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=self.timeout_s)
+                proc = subprocess.run(
+                    args, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=self.timeout_s
+                )
             finally:
                 if self.ephemeral:  # the pod is gone, and its disk with it
                     shutil.rmtree(home, ignore_errors=True)

@@ -42,7 +42,9 @@ def config_leaves(cls: type, prefix: str = "") -> list[tuple[str, object]]:
 
     out: list[tuple[str, object]] = []
     for name, hint in field_hints(cls).items():
-        out += config_leaves(hint, f"{prefix}{name}.") if dataclasses.is_dataclass(hint) else [(f"{prefix}{name}", hint)]
+        out += (
+            config_leaves(hint, f"{prefix}{name}.") if dataclasses.is_dataclass(hint) else [(f"{prefix}{name}", hint)]
+        )
     return out
 
 
@@ -56,7 +58,11 @@ def leaf_docs(cls: type, prefix: str = "") -> list[tuple[str, str | None]]:
     docs = field_docs(cls)
     out: list[tuple[str, str | None]] = []
     for name, hint in field_hints(cls).items():
-        out += leaf_docs(hint, f"{prefix}{name}.") if dataclasses.is_dataclass(hint) else [(f"{prefix}{name}", docs.get(name))]
+        out += (
+            leaf_docs(hint, f"{prefix}{name}.")
+            if dataclasses.is_dataclass(hint)
+            else [(f"{prefix}{name}", docs.get(name))]
+        )
     return out
 
 
@@ -94,7 +100,9 @@ def put_config_on_s3(s3_server: str, monkeypatch: object, key: str, body: bytes)
     import boto3
     import fsspec
 
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(Bucket="grpoflow", Key=key, Body=body)
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").put_object(
+        Bucket="grpoflow", Key=key, Body=body
+    )
     fsspec.filesystem("s3").clear_instance_cache()
     monkeypatch.setenv("FLYTE_AWS_ENDPOINT", s3_server)
     monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "testing")
@@ -117,7 +125,13 @@ def _launch(cfg: dict) -> subprocess.Popen:
     )
     env = {k: v for k, v in os.environ.items() if k not in ("GRPOFLOW_NUM_THREADS", "OMP_NUM_THREADS")}
     env["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
-    return subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(cfg)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def run_to_end(cfg: dict, timeout: float = 600) -> str:

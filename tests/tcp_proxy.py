@@ -56,7 +56,9 @@ def _reset(sock: socket.socket) -> None:
 class _Connection:
     """One proxied connection: a thread pumping bytes both ways until either side closes or ``kill()``."""
 
-    def __init__(self, client: socket.socket, upstream: socket.socket, on_exit, *, reset_on_request: bool = False) -> None:  # noqa: ANN001
+    def __init__(
+        self, client: socket.socket, upstream: socket.socket, on_exit, *, reset_on_request: bool = False
+    ) -> None:  # noqa: ANN001
         self.client, self.upstream, self._on_exit = client, upstream, on_exit
         self.reset_on_request = reset_on_request
         self._killed = threading.Event()
@@ -186,7 +188,9 @@ class TcpProxy:
     def _start(self, sock: socket.socket) -> None:
         self._stop = threading.Event()
         self._listener = sock
-        self._acceptor = threading.Thread(target=self._accept_loop, args=(sock, self._stop), name="tcp-proxy-accept", daemon=True)
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, args=(sock, self._stop), name="tcp-proxy-accept", daemon=True
+        )
         self._acceptor.start()
 
     def _stop_listening(self) -> None:

@@ -31,7 +31,12 @@ from tasks.validate import validate
 
 
 def grpo_step(
-    cfg: RunConfig, run: RunInfo, policy: PolicyVersion, step: int, behaviour: PolicyVersion, node: Callable[[Any], Callable[..., Any]] | None = None
+    cfg: RunConfig,
+    run: RunInfo,
+    policy: PolicyVersion,
+    step: int,
+    behaviour: PolicyVersion,
+    node: Callable[[Any], Callable[..., Any]] | None = None,
 ) -> PolicyVersion:
     """One GRPO step: the policy after ``step - 1`` updates -> the policy after ``step``, trained on completions
     sampled from ``behaviour``: ``policy`` itself when synchronous, an older policy when async. ``node(task)`` is how
@@ -76,7 +81,9 @@ def training_loop(cfg: RunConfig, run: RunInfo) -> RunSummary:
     if k > 1:  # one node per k steps, back-ends warm inside it (synchronous GRPO only: tasks.run_config checks)
         for first in range(run.start_step + 1, cfg.grpo.max_num_steps + 1, k):
             last = min(first + k - 1, cfg.grpo.max_num_steps)
-            policy, accuracy = _nodes(cfg, f"steps-{first}-{last}")(grpo_steps)(cfg=cfg, run=run, policy=policy, first=first, last=last, accuracy=accuracy)
+            policy, accuracy = _nodes(cfg, f"steps-{first}-{last}")(grpo_steps)(
+                cfg=cfg, run=run, policy=policy, first=first, last=last, accuracy=accuracy
+            )
         return _nodes(cfg, "end")(finish_run)(cfg=cfg, run=run, policy=policy, validation_accuracy=accuracy)
     for step in range(run.start_step + 1, cfg.grpo.max_num_steps + 1):
         behaviour = policies[generation_version(step, cfg.grpo.max_trajectory_age_steps, run.start_step)]
@@ -88,7 +95,9 @@ def training_loop(cfg: RunConfig, run: RunInfo) -> RunSummary:
 
 @task(retries=2, **declared("train"))
 @transient_errors_retried
-def grpo_steps(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, first: int, last: int, accuracy: float) -> tuple[PolicyVersion, float]:
+def grpo_steps(
+    cfg: RunConfig, run: RunInfo, policy: PolicyVersion, first: int, last: int, accuracy: float
+) -> tuple[PolicyVersion, float]:
     """Steps ``first .. last`` of synchronous GRPO in this one task (``resources.steps_per_task``): each step's tasks
     run as plain calls in this process, so the generation and policy back-ends stay warm from step to step (the
     generator refits from the live trainer), as under the local executor.
@@ -110,7 +119,9 @@ def grpo_steps(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, first: int, 
         step, policy, accuracy = done[0], done[1], done[2] if done[2] is not None else accuracy
         first = step + 1
     kept = dataclasses.replace(run, task_input_policy=policy.path)
-    inner = dataclasses.replace(kept, cold_tasks=False, weights_superseded=True)  # the next step's trainer is this process
+    inner = dataclasses.replace(
+        kept, cold_tasks=False, weights_superseded=True
+    )  # the next step's trainer is this process
     inline: Callable[[Any], Callable[..., Any]] = lambda t: t.task_function  # noqa: E731
     for step in range(first, last + 1):
         policy = grpo_step(cfg, kept if step == last else inner, policy, step, policy, node=inline)
@@ -119,7 +130,9 @@ def grpo_steps(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, first: int, 
     return policy, accuracy
 
 
-def _finished_steps(cfg: RunConfig, run: RunInfo, first: int, last: int) -> tuple[int, PolicyVersion, float | None] | None:
+def _finished_steps(
+    cfg: RunConfig, run: RunInfo, first: int, last: int
+) -> tuple[int, PolicyVersion, float | None] | None:
     """The newest step of ``first .. last`` an earlier attempt of :func:`grpo_steps` finished (its policy saved with
     the trainer state, its metrics logged), that policy, and the newest validation accuracy logged up to it (None:
     none in the range); None when no step qualifies."""

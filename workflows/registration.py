@@ -42,7 +42,9 @@ def settings(version: str = "v0", project: str = "grpoflow", domain: str = "deve
     """Non-fast serialization settings (the code is in the image), flytekit's default image as the default."""
     from flytekit.configuration import ImageConfig, SerializationSettings
 
-    return SerializationSettings(project=project, domain=domain, version=version, image_config=ImageConfig.auto_default_image())
+    return SerializationSettings(
+        project=project, domain=domain, version=version, image_config=ImageConfig.auto_default_image()
+    )
 
 
 def serialize(ss: Any) -> list[Any]:
@@ -53,10 +55,8 @@ def serialize(ss: Any) -> list[Any]:
     """
     import importlib
 
-    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.core.context_manager import FlyteContextManager, FlyteEntities
     from flytekit.tools.serialize_helpers import get_registrable_entities
-
-    from flytekit.core.context_manager import FlyteEntities
 
     for name in MODULES:
         importlib.import_module(name)
@@ -67,7 +67,9 @@ def serialize(ss: Any) -> list[Any]:
         with FlyteContextManager.with_context(ctx) as c:
             return get_registrable_entities(c)
     finally:
-        FlyteEntities.entities[:] = everything + [e for e in FlyteEntities.entities if all(e is not x for x in everything)]
+        FlyteEntities.entities[:] = everything + [
+            e for e in FlyteEntities.entities if all(e is not x for x in everything)
+        ]
 
 
 def _declared_here(entity: Any) -> bool:
@@ -97,7 +99,13 @@ def step_loop_nodes(cfg: Any, ss: Any) -> Any:
     from tasks.types import RunInfo
     from workflows.grpo import training_loop
 
-    run = RunInfo(run_id="run-check", mlflow_run_id="0" * 32, model_path="/models/base", start_policy_path="/models/base", cold_tasks=True)
+    run = RunInfo(
+        run_id="run-check",
+        mlflow_run_id="0" * 32,
+        model_path="/models/base",
+        start_policy_path="/models/base",
+        cold_tasks=True,
+    )
     ctx = FlyteContextManager.current_context().with_serialization_settings(ss.with_serialized_context())
     training_loop._wf = None  # flytekit caches the compiled loop: a pod compiles once, this check once per config
     with FlyteContextManager.with_context(ctx) as c:
@@ -150,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     kinds = {"task": TaskSpec, "workflow": WorkflowSpec, "launch plan": LaunchPlan}
     for kind, cls in kinds.items():
-        names = sorted(e.template.id.name if hasattr(e, "template") else e.id.name for e in entities if isinstance(e, cls))
+        names = sorted(
+            e.template.id.name if hasattr(e, "template") else e.id.name for e in entities if isinstance(e, cls)
+        )
         print(f"{len(names)} {kind}s: {', '.join(names)}")
     for name, spec in loops.items():
         print(f"step loop of config {name!r} (first steps): {len(spec.nodes)} nodes, {len(spec.tasks)} tasks")

@@ -35,7 +35,14 @@ from rl.loss import (
     per_sequence_metrics,
 )
 
-LOSS_FIELDS = ("prev_logprobs", "reference_policy_logprobs", "generation_logprobs", "advantages", "token_mask", "sample_mask")
+LOSS_FIELDS = (
+    "prev_logprobs",
+    "reference_policy_logprobs",
+    "generation_logprobs",
+    "advantages",
+    "token_mask",
+    "sample_mask",
+)
 """The per-row and per-token fields the loss reads (the forward reads ``input_ids`` and ``input_lengths``)."""
 
 CPU_MICRO_BATCH_ROWS = 32
@@ -53,8 +60,12 @@ def make_optimizer(params: Any, cfg: GRPOConfig) -> tuple[torch.optim.Optimizer,
         params: the parameters to train (a module's ``parameters()`` or a list); a module is accepted too.
     """
     params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
-    fused = bool(params) and all(p.device.type == "cuda" and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.999), eps=1e-8, fused=fused or None)
+    fused = bool(params) and all(
+        p.device.type == "cuda" and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params
+    )
+    opt = torch.optim.AdamW(
+        params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.999), eps=1e-8, fused=fused or None
+    )
     warm = cfg.optim.warmup_steps
 
     def factor(step: int) -> float:
@@ -114,7 +125,9 @@ _BUDGETS: dict[tuple, int] = {}
 the memory free at each step."""
 
 
-def default_max_tokens(model_config: Any, device: torch.device | str, *, train: bool, fraction: float = 0.5) -> int | None:
+def default_max_tokens(
+    model_config: Any, device: torch.device | str, *, train: bool, fraction: float = 0.5
+) -> int | None:
     """The padded-token budget of a micro-batch when the config leaves it null: None on the CPU (row counts decide,
     ``CPU_MICRO_BATCH_ROWS``); on CUDA ``fraction`` of the device memory free at the first call in this process, less
     the gradients and AdamW moments a training model will hold (12 bytes per parameter, in case they are not allocated
@@ -123,7 +136,10 @@ def default_max_tokens(model_config: Any, device: torch.device | str, *, train: 
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    shape = tuple(int(getattr(model_config, k, 0) or 0) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    shape = tuple(
+        int(getattr(model_config, k, 0) or 0)
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    )
     key = (str(device), train, shape)
     if key not in _BUDGETS:
         free, _ = torch.cuda.mem_get_info(device)
@@ -146,13 +162,19 @@ def parameter_count(model_config: Any) -> int:
     return int(model_config.num_hidden_layers) * layer + vocab + h
 
 
-def micro_batch_limits(cfg: GRPOConfig, model_config: Any, device: torch.device | str, *, train: bool) -> tuple[int | None, int | None]:
+def micro_batch_limits(
+    cfg: GRPOConfig, model_config: Any, device: torch.device | str, *, train: bool
+) -> tuple[int | None, int | None]:
     """``(max_rows, max_tokens)`` of a micro-batch for training (``train``) or a logprob pass: the config's
     ``optim.train_micro_batch_size`` / ``train_max_tokens_per_micro_batch`` (``logprob_batch_size`` /
     ``logprob_max_tokens_per_micro_batch``), a null resolved from the device: on the CPU 32 rows and no token
     budget; on CUDA no row cap and :func:`default_max_tokens`."""
     o = cfg.optim
-    rows, tokens = (o.train_micro_batch_size, o.train_max_tokens_per_micro_batch) if train else (o.logprob_batch_size, o.logprob_max_tokens_per_micro_batch)
+    rows, tokens = (
+        (o.train_micro_batch_size, o.train_max_tokens_per_micro_batch)
+        if train
+        else (o.logprob_batch_size, o.logprob_max_tokens_per_micro_batch)
+    )
     if torch.device(device).type == "cpu":
         return (CPU_MICRO_BATCH_ROWS if rows is None and tokens is None else rows), tokens
     return rows, tokens if tokens is not None else default_max_tokens(model_config, device, train=train)
@@ -177,7 +199,14 @@ class MicroBatchLoss:
     errors: torch.Tensor
 
 
-def micro_batch_loss(logprobs: torch.Tensor, fields: Mapping[str, torch.Tensor], cfg: GRPOConfig, *, global_toks: float, global_seqs: float) -> MicroBatchLoss:
+def micro_batch_loss(
+    logprobs: torch.Tensor,
+    fields: Mapping[str, torch.Tensor],
+    cfg: GRPOConfig,
+    *,
+    global_toks: float,
+    global_seqs: float,
+) -> MicroBatchLoss:
     """The GRPO loss of one micro-batch (`rl.loss.clipped_pg_loss_with`, NeMo-RL's ClippedPGLossFn) on its device.
 
     Args:
@@ -198,7 +227,13 @@ def micro_batch_loss(logprobs: torch.Tensor, fields: Mapping[str, torch.Tensor],
         token_mask=fields["token_mask"],
         sample_mask=fields["sample_mask"],
     )
-    loss, sums = clipped_pg_loss_with(inputs, cfg.loss, global_valid_toks=global_toks, global_valid_seqs=global_seqs, max_response_tokens=cfg.generation.max_new_tokens)
+    loss, sums = clipped_pg_loss_with(
+        inputs,
+        cfg.loss,
+        global_valid_toks=global_toks,
+        global_valid_seqs=global_seqs,
+        max_response_tokens=cfg.generation.max_new_tokens,
+    )
     errors = seq_mult_prob_error(fields["generation_logprobs"], prev, fields["token_mask"])  # [m]
     return MicroBatchLoss(loss=loss, sums={k: v.detach() for k, v in sums.items()}, errors=errors.detach())
 
@@ -211,7 +246,9 @@ class TrainEngine(abc.ABC):
     device: torch.device
 
     @abc.abstractmethod
-    def forward_backward(self, rows: Any, slices: Sequence[slice], loss_fn: LossFn) -> list[tuple[slice, MicroBatchLoss]]:
+    def forward_backward(
+        self, rows: Any, slices: Sequence[slice], loss_fn: LossFn
+    ) -> list[tuple[slice, MicroBatchLoss]]:
         """Forward and backward of ``rows[s]`` for each micro-batch slice ``s`` (host ``TensorDict`` rows), calling
         ``loss_fn(logprobs, fields)`` on each and back-propagating its loss. Returns the (slice, loss) pairs this rank
         reports (:meth:`reports`), in order."""
@@ -284,8 +321,11 @@ def update_settings(cfg: GRPOConfig, device: torch.device | str) -> Iterator[Non
     deterministic = resolve_deterministic(cfg, device)
     cuda = torch.device(device).type == "cuda"
     before = (
-        torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory,
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        det.fill_uninitialized_memory,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
     )
     if deterministic:
         if cuda:
@@ -303,7 +343,9 @@ def update_settings(cfg: GRPOConfig, device: torch.device | str) -> Iterator[Non
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
-def step_batch(batch: Mapping[str, torch.Tensor], cfg: GRPOConfig, update_sizes: Sequence[int] | None) -> tuple[Any, list[int]]:
+def step_batch(
+    batch: Mapping[str, torch.Tensor], cfg: GRPOConfig, update_sizes: Sequence[int] | None
+) -> tuple[Any, list[int]]:
     """A step's batch ready for its updates: a ``TensorDict`` copy of ``batch`` whose ``sample_mask`` also masks the
     sequences over ``loss.seq_logprob_error_threshold`` (NeMo-RL grpo_sync), and the rows of each update
     (``optim.train_global_batch_size`` rows each when ``update_sizes`` is None).
@@ -373,16 +415,25 @@ def train_on_batch(
     losses, norms, seq_errors = [], [], []  # per update / per micro-batch, on the device
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
     responding = td["token_mask"].bool().any(1)  # [n] host: a sample without response tokens has no sequence error
-    counted = torch.stack([torch.as_tensor(batch["sample_mask"]).bool(), td["sample_mask"].bool()]) & responding  # [2, n]: before, after the error mask
+    counted = (
+        torch.stack([torch.as_tensor(batch["sample_mask"]).bool(), td["sample_mask"].bool()]) & responding
+    )  # [2, n]: before, after the error mask
     starts = [sum(update_sizes[:u]) for u in range(len(update_sizes))]
     with update_settings(cfg, device):
         engine.train_mode(True)
         for start, rows in zip(starts, td.split(list(update_sizes))):
             mask = loss_mask(rows["token_mask"], rows["sample_mask"])  # host: the counts need no device sync
-            counts = distributed.all_reduce(torch.stack([mask.sum().double(), rows["sample_mask"].double().sum()]), group=engine.count_group())  # [2]
+            counts = distributed.all_reduce(
+                torch.stack([mask.sum().double(), rows["sample_mask"].double().sum()]), group=engine.count_group()
+            )  # [2]
             global_toks, global_seqs = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
 
-            def loss_fn(logprobs: torch.Tensor, fields: Mapping[str, torch.Tensor], toks: float = global_toks, seqs: float = global_seqs) -> MicroBatchLoss:
+            def loss_fn(
+                logprobs: torch.Tensor,
+                fields: Mapping[str, torch.Tensor],
+                toks: float = global_toks,
+                seqs: float = global_seqs,
+            ) -> MicroBatchLoss:
                 return micro_batch_loss(logprobs, fields, cfg, global_toks=toks, global_seqs=seqs)
 
             optimizer.zero_grad(set_to_none=True)
@@ -390,7 +441,9 @@ def train_on_batch(
             if rows.batch_size[0]:
                 with engine.compute():  # autocast: weights are cast to bf16 once per update, not per micro-batch
                     for where, out in engine.forward_backward(rows, engine.micro_batches(rows, cfg), loss_fn):
-                        seq_errors.append((out.errors, counted[:, start + where.start : start + where.stop]))  # the masks stay on the host
+                        seq_errors.append(
+                            (out.errors, counted[:, start + where.start : start + where.stop])
+                        )  # the masks stay on the host
                         step_loss = step_loss + out.loss.detach().double()
                         accumulate_on_device(totals, out.sums)
             norms.append(engine.finish_gradients(max_norm))
@@ -399,13 +452,19 @@ def train_on_batch(
             losses.append(step_loss)
         engine.train_mode(False)
     optimizer.zero_grad(set_to_none=True)
-    sums, losses_, norms_, errors = read_step(totals, losses, norms, seq_errors, device)  # the step's one device -> host copy
-    masked = int((torch.as_tensor(batch["sample_mask"]).bool() & ~td["sample_mask"].bool()).sum())  # by the error threshold
+    sums, losses_, norms_, errors = read_step(
+        totals, losses, norms, seq_errors, device
+    )  # the step's one device -> host copy
+    masked = int(
+        (torch.as_tensor(batch["sample_mask"]).bool() & ~td["sample_mask"].bool()).sum()
+    )  # by the error threshold
     if not engine.reports_rows():
         errors, masked = (errors[0][:0], errors[1][:0]), 0
     local = (sums, losses_, errors, masked) if engine.reports() else None
     parts = [p for p in distributed.gather_objects(local) if p is not None]
-    metrics = combine_step_metrics(parts, masking=cfg.loss.seq_logprob_error_threshold is not None, per_sequence=per_sequence_metrics(cfg.loss))
+    metrics = combine_step_metrics(
+        parts, masking=cfg.loss.seq_logprob_error_threshold is not None, per_sequence=per_sequence_metrics(cfg.loss)
+    )
     metrics.update(grad_norm=sum(norms_) / len(norms_), lr=float(scheduler.get_last_lr()[0]))
     return metrics
 
@@ -420,18 +479,34 @@ def read_step(
     """A step's device-side metrics on the host, in one copy: metric sums, the loss and gradient norm of each update,
     and the sequence errors of the samples that count before and after the error mask (``seq_errors``: per
     micro-batch, [m] errors on the device and the [2, m] host masks of the rows to count)."""
-    scalars = [*totals.values(), *(x.to(device) for x in losses), *(torch.as_tensor(x).double().reshape(()).to(device) for x in norms)]
-    errors = torch.cat([e.double() for e, _ in seq_errors]) if seq_errors else torch.zeros(0, dtype=torch.float64, device=device)
+    scalars = [
+        *totals.values(),
+        *(x.to(device) for x in losses),
+        *(torch.as_tensor(x).double().reshape(()).to(device) for x in norms),
+    ]
+    errors = (
+        torch.cat([e.double() for e, _ in seq_errors])
+        if seq_errors
+        else torch.zeros(0, dtype=torch.float64, device=device)
+    )
     counted = torch.cat([m for _, m in seq_errors], 1) if seq_errors else torch.zeros(2, 0, dtype=torch.bool)  # [2, n]
     flat = torch.cat([torch.stack(scalars).to(errors.device), errors]).cpu().tolist() if scalars else []
     k, u = len(totals), len(losses)
     sums = dict(zip(totals, flat[:k]))
     host_errors = torch.tensor(flat[k + 2 * u :], dtype=torch.float64)
-    return sums, flat[k : k + u], flat[k + u : k + 2 * u], (host_errors[counted[0]].float(), host_errors[counted[1]].float())
+    return (
+        sums,
+        flat[k : k + u],
+        flat[k + u : k + 2 * u],
+        (host_errors[counted[0]].float(), host_errors[counted[1]].float()),
+    )
 
 
 def combine_step_metrics(
-    ranks: list[tuple[dict[str, float], list[float], tuple[torch.Tensor, torch.Tensor], int]], *, masking: bool, per_sequence: frozenset[str] = frozenset()
+    ranks: list[tuple[dict[str, float], list[float], tuple[torch.Tensor, torch.Tensor], int]],
+    *,
+    masking: bool,
+    per_sequence: frozenset[str] = frozenset(),
 ) -> dict[str, float]:
     """The step's metrics from every reporting rank's ``(metric sums, loss per update, sequence errors before and after
     the error mask, rows masked by it)``, in rank order: sums over all ranks' tokens divided by the global valid tokens
@@ -446,16 +521,22 @@ def combine_step_metrics(
     losses = [sum(r[1][g] for r in ranks) for g in range(len(ranks[0][1]))]  # each update's loss: globally normalized
     toks = max(totals.pop("valid_toks", 0.0), 1.0)
     seqs = max(totals.pop("valid_seqs", 0.0), 1.0)
-    metrics = {k: v / (seqs if k in per_sequence else toks) for k, v in totals.items() if not k.endswith(("_max", "_min"))}
-    metrics.update({k: v if math.isfinite(v) else math.nan for k, v in totals.items() if k.endswith(("_max", "_min"))})  # no valid token: nan
+    metrics = {
+        k: v / (seqs if k in per_sequence else toks) for k, v in totals.items() if not k.endswith(("_max", "_min"))
+    }
+    metrics.update(
+        {k: v if math.isfinite(v) else math.nan for k, v in totals.items() if k.endswith(("_max", "_min"))}
+    )  # no valid token: nan
     for i, suffix in enumerate(("", "_after_mask") if masking else ("",)):
         errors = torch.cat([r[2][i] for r in ranks])
         errors = errors if errors.numel() else torch.ones(1)
-        metrics.update({
-            f"max_seq_mult_prob_error{suffix}": float(errors.max()),
-            f"mean_seq_mult_prob_error{suffix}": float(errors.mean()),
-            f"min_seq_mult_prob_error{suffix}": float(errors.min()),
-        })
+        metrics.update(
+            {
+                f"max_seq_mult_prob_error{suffix}": float(errors.max()),
+                f"mean_seq_mult_prob_error{suffix}": float(errors.mean()),
+                f"min_seq_mult_prob_error{suffix}": float(errors.min()),
+            }
+        )
     if masking:
         metrics["num_masked_seqs_by_logprob_error"] = float(sum(r[3] for r in ranks))
     metrics.update(loss=sum(losses) / len(losses), global_valid_toks=toks)

@@ -50,15 +50,27 @@ class Generated:
     response_token_ids: list[list[int]]
 
     @classmethod
-    def from_rows(cls, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], finished: list[bool]) -> Generated:
+    def from_rows(
+        cls, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], finished: list[bool]
+    ) -> Generated:
         """Assemble from per-row prompt ids, response ids, response-token logprobs and whether eos ended the row."""
         import torch
 
-        out = cls([], [], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), [])
+        out = cls(
+            [],
+            [],
+            [],
+            torch.zeros(0, dtype=torch.int64),
+            torch.zeros(0, dtype=torch.int64),
+            torch.zeros(0, dtype=torch.bool),
+            [],
+        )
         for p, r, lp in zip(prompts, responses, logprobs, strict=True):
             out.input_ids.append(torch.tensor([*p, *r], dtype=torch.int64))
             out.generation_logprobs.append(torch.cat([torch.zeros(len(p)), torch.as_tensor(lp, dtype=torch.float32)]))
-            out.token_mask.append(torch.cat([torch.zeros(len(p), dtype=torch.bool), torch.ones(len(r), dtype=torch.bool)]))
+            out.token_mask.append(
+                torch.cat([torch.zeros(len(p), dtype=torch.bool), torch.ones(len(r), dtype=torch.bool)])
+            )
             out.response_token_ids.append(list(r))
         out.prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
         out.response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.int64)
@@ -159,15 +171,21 @@ class PolicyBackend(abc.ABC):
         that its ``timing/<task>/startup`` covers the load)."""
 
     @abc.abstractmethod
-    def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+    def get_reference_policy_logprobs(
+        self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
         """[N, S] float32 logprobs of the batch under the reference policy."""
 
     @abc.abstractmethod
-    def get_topk_logits(self, batch: Mapping[str, torch.Tensor], k: int, *, micro_batch_size: int | None = None) -> TopkLogits:
+    def get_topk_logits(
+        self, batch: Mapping[str, torch.Tensor], k: int, *, micro_batch_size: int | None = None
+    ) -> TopkLogits:
         """Top-``k`` logits of the policy at the S-1 next-token positions (see :class:`TopkLogits`)."""
 
     @abc.abstractmethod
-    def train(self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None) -> dict[str, float]:
+    def train(
+        self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None
+    ) -> dict[str, float]:
         """One step's optimizer updates on ``batch``; bumps :attr:`weight_version` by one.
 
         Args:
@@ -257,7 +275,9 @@ class PolicyBackend(abc.ABC):
         """Read ``LP_SEED_FIELDS`` of ``meta``, write ``reference_policy_logprobs`` back; returns the new meta."""
         from dataplane import fields as F
 
-        return self._logprobs_from_meta(meta, dataplane, self.get_reference_policy_logprobs, F.REFERENCE_POLICY_LOGPROBS, "ref_lp")
+        return self._logprobs_from_meta(
+            meta, dataplane, self.get_reference_policy_logprobs, F.REFERENCE_POLICY_LOGPROBS, "ref_lp"
+        )
 
     def train_from_meta(
         self, meta: KVBatchMeta, dataplane: DataPlane, *, fields: Iterable[str], rows_per_update: int | None = None
@@ -281,17 +301,23 @@ class PolicyBackend(abc.ABC):
         from rl import distributed
 
         dp_rank, dp_size = self.data_parallel()
-        shard, update_sizes = shard_updates_for_dp(meta, dp_world=dp_size, rank=dp_rank, rows_per_update=rows_per_update or meta.size())
+        shard, update_sizes = shard_updates_for_dp(
+            meta, dp_world=dp_size, rank=dp_rank, rows_per_update=rows_per_update or meta.size()
+        )
         batch = dataplane.read_batch(shard, list(fields), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
         self.prepare_for_training()
         try:
             metrics = self.train(batch, update_sizes=update_sizes)
         finally:
             self.finish_training()
-        tokens = distributed.sum_scalars({"total_num_tokens": float(batch[F.INPUT_LENGTHS].sum()) if self.writes_outputs() else 0.0})
+        tokens = distributed.sum_scalars(
+            {"total_num_tokens": float(batch[F.INPUT_LENGTHS].sum()) if self.writes_outputs() else 0.0}
+        )
         return {**metrics, **tokens}
 
-    def _logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane, compute: Any, field: str, task_name: str) -> KVBatchMeta:
+    def _logprobs_from_meta(
+        self, meta: KVBatchMeta, dataplane: DataPlane, compute: Any, field: str, task_name: str
+    ) -> KVBatchMeta:
         """This rank's token-balanced shard of ``meta`` (``dataplane.sharding.shard_meta_for_dp``), read padded to the
         step's ``global_forward_pad_seqlen``, goes through ``compute``; the rank writes its rows' ``field`` under
         their own sample ids in one delta write (its id hashes the field and those ids, so a retried task replaces
@@ -311,6 +337,8 @@ class PolicyBackend(abc.ABC):
                 if logprobs.shape != batch[F.INPUT_IDS].shape:
                     msg = f"{self.name} back-end returned logprobs of shape {tuple(logprobs.shape)} for input_ids {tuple(batch[F.INPUT_IDS].shape)}"
                     raise RuntimeError(msg)
-                dataplane.write_columns(shard, {field: to_nested_by_length(logprobs, batch[F.INPUT_LENGTHS])}, task_name=task_name)
+                dataplane.write_columns(
+                    shard, {field: to_nested_by_length(logprobs, batch[F.INPUT_LENGTHS])}, task_name=task_name
+                )
         distributed.barrier()
         return dataclasses.replace(meta, fields=list(dict.fromkeys([*(meta.fields or []), field])), task_name=task_name)

@@ -94,13 +94,21 @@ def _conform_json(value: Any, where: str) -> Any:
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            fail(where, f"expected a finite number, got {describe(value)}", "JSON has no NaN or infinity: use a finite value")
+            fail(
+                where,
+                f"expected a finite number, got {describe(value)}",
+                "JSON has no NaN or infinity: use a finite value",
+            )
         return value
     if isinstance(value, dict):
         return _conform_mapping(value, Any, where)
     if isinstance(value, (list, tuple)):
         return [_conform_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    fail(where, f"expected a JSON value (null, true/false, a number, a string, a list or a mapping), got {describe(value)}", "write it as JSON")
+    fail(
+        where,
+        f"expected a JSON value (null, true/false, a number, a string, a list or a mapping), got {describe(value)}",
+        "write it as JSON",
+    )
 
 
 def _conform_mapping(value: Any, value_type: Any, where: str) -> dict[str, Any]:
@@ -143,7 +151,11 @@ def conform(value: Any, hint: Any, where: str) -> Any:
         try:
             return conform(value, inner, where)
         except ValueError:
-            fail(where, f"expected {_expected(inner)} or null, got {describe(value)}", f"write {_expected(inner)}, or null to leave it unset")
+            fail(
+                where,
+                f"expected {_expected(inner)} or null, got {describe(value)}",
+                f"write {_expected(inner)}, or null to leave it unset",
+            )
     if hint is Any:
         return _conform_json(value, where)
     if hint is bool:
@@ -166,7 +178,11 @@ def conform(value: Any, hint: Any, where: str) -> Any:
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(where, f"expected a finite number, got {describe(value)}", "write a number such as 0.5 or 1e-5")
         if not math.isfinite(number):
-            fail(where, f"expected a finite number, got {describe(value)}", "NaN and infinity are not valid settings: use a finite value")
+            fail(
+                where,
+                f"expected a finite number, got {describe(value)}",
+                "NaN and infinity are not valid settings: use a finite value",
+            )
         return float(number)
     if hint is str:
         if not isinstance(value, str):
@@ -180,7 +196,11 @@ def conform(value: Any, hint: Any, where: str) -> Any:
         return [conform(v, args[0] if args else Any, f"{where}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, hint):
-            fail(where, f"expected a {hint.__name__} section, got {describe(value)}", "build nested sections from a mapping with config_from_dict")
+            fail(
+                where,
+                f"expected a {hint.__name__} section, got {describe(value)}",
+                "build nested sections from a mapping with config_from_dict",
+            )
         return value
     msg = f"config {where}: unsupported annotation {hint}"
     raise TypeError(msg)
@@ -280,10 +300,14 @@ def refuse_credentials(options: Any, where: str) -> None:
 
 # The URI schemes of MLflow's own tracking stores (``mlflow.tracking._tracking_service.utils``); a scheme with a
 # ``+`` names a SQLAlchemy dialect and driver (``postgresql+psycopg2``).
-_MLFLOW_SCHEMES = frozenset({"file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc", "uc"})
+_MLFLOW_SCHEMES = frozenset(
+    {"file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc", "uc"}
+)
 _MLFLOW_NAMES = frozenset({"databricks", "databricks-uc", "uc"})  # URIs without a colon that name a store
 _URI_SCHEME = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+):")  # two or more letters: `C:` is a Windows drive
-_URI_FIX = "use e.g. 'sqlite:///runs/mlflow.db', 'http://host:5000', 'postgresql://host/db' or a folder such as './mlruns'"
+_URI_FIX = (
+    "use e.g. 'sqlite:///runs/mlflow.db', 'http://host:5000', 'postgresql://host/db' or a folder such as './mlruns'"
+)
 
 
 def _plugin_schemes() -> set[str]:
@@ -311,14 +335,24 @@ def check_tracking_uri(uri: str) -> None:
     if m:
         scheme = m["scheme"].lower()
         if scheme.split("+")[0] not in _MLFLOW_SCHEMES and scheme not in _plugin_schemes():
-            fail(where, f"{redact(uri)!r} has the scheme {m['scheme']!r}, which no MLflow tracking store reads", _URI_FIX)
+            fail(
+                where, f"{redact(uri)!r} has the scheme {m['scheme']!r}, which no MLflow tracking store reads", _URI_FIX
+            )
         return
     if uri in _MLFLOW_NAMES:
         return
     if uri.lower().endswith((".db", ".sqlite", ".sqlite3")):
-        fail(where, f"{uri!r} is a path to a database file, which MLflow would read as a folder of that name", f"write 'sqlite:///{uri}'")
+        fail(
+            where,
+            f"{uri!r} is a path to a database file, which MLflow would read as a folder of that name",
+            f"write 'sqlite:///{uri}'",
+        )
     if any(c.isspace() for c in uri) and not uri.startswith(("/", "./", "../", "~")):
-        fail(where, f"{uri!r} is neither a URI (scheme:...) nor a folder path, and MLflow would make a folder of that name", f"{_URI_FIX}; write a folder with spaces as './{uri}'")
+        fail(
+            where,
+            f"{uri!r} is neither a URI (scheme:...) nor a folder path, and MLflow would make a folder of that name",
+            f"{_URI_FIX}; write a folder with spaces as './{uri}'",
+        )
 
 
 # ---------------------------------------------------------------- across sections
@@ -352,4 +386,8 @@ def check_across_sections(cfg: GRPOConfig) -> None:
     n = cfg.samples_per_step
     gbs = cfg.optim.train_global_batch_size
     if gbs is not None and n % gbs:
-        fail("optim.train_global_batch_size", f"{gbs} does not divide the step's {n} samples", "use a divisor of num_prompts_per_step * num_generations_per_prompt")
+        fail(
+            "optim.train_global_batch_size",
+            f"{gbs} does not divide the step's {n} samples",
+            "use a divisor of num_prompts_per_step * num_generations_per_prompt",
+        )

@@ -38,7 +38,9 @@ def config_from_dict(data: dict[str, Any], root: type[C] = GRPOConfig) -> C:  # 
 
     def build(cls: type, values: dict[str, Any], where: str) -> Any:
         if not isinstance(values, dict):
-            fail(where or "root", f"expected a mapping, got {type(values).__name__}", "give a nested mapping of sections")
+            fail(
+                where or "root", f"expected a mapping, got {type(values).__name__}", "give a nested mapping of sections"
+            )
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(known), key=str)
         for key in unknown:
@@ -91,7 +93,11 @@ def read_config_source(source: str, *, storage_options: dict[str, Any] | None = 
         try:
             data = _parse_json(source, "(inline JSON)")
         except json.JSONDecodeError as err:
-            fail("(inline JSON)", f"is not valid JSON ({err})", "check its quotes and brackets, or give a .yaml/.json file")
+            fail(
+                "(inline JSON)",
+                f"is not valid JSON ({err})",
+                "check its quotes and brackets, or give a .yaml/.json file",
+            )
         return data
     return _read_config_file(source, storage_options)
 
@@ -106,7 +112,7 @@ def config_from_json(text: str, root: type[C] = GRPOConfig) -> C:  # type: ignor
     try:
         data = _parse_json(text, "")
     except json.JSONDecodeError as err:
-        msg = f"config: not valid JSON ({err}); write a JSON object such as '{{\"grpo\": {{\"max_num_steps\": 2}}}}'"
+        msg = f'config: not valid JSON ({err}); write a JSON object such as \'{{"grpo": {{"max_num_steps": 2}}}}\''
         raise usage_error(msg) from None
     except ValueError as err:
         raise usage_error(str(err)) from None
@@ -128,7 +134,11 @@ def env_storage_options(protocol: str) -> dict[str, Any]:
 
     if protocol not in ("s3", "s3a"):
         return {}
-    names = {"endpoint_url": "FLYTE_AWS_ENDPOINT", "key": "FLYTE_AWS_ACCESS_KEY_ID", "secret": "FLYTE_AWS_SECRET_ACCESS_KEY"}
+    names = {
+        "endpoint_url": "FLYTE_AWS_ENDPOINT",
+        "key": "FLYTE_AWS_ACCESS_KEY_ID",
+        "secret": "FLYTE_AWS_SECRET_ACCESS_KEY",
+    }
     return {option: os.environ[name] for option, name in names.items() if os.environ.get(name)}
 
 
@@ -141,7 +151,11 @@ def _read_config_file(source: str, storage_options: dict[str, Any] | None) -> di
     where = f"file {redact(source)!r}"
     suffix = Path(urlsplit(source).path if "://" in source else source).suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
-        fail(where, "is not a .yaml, .yml or .json file", "give a YAML or JSON config file, or inline JSON starting with '{'")
+        fail(
+            where,
+            "is not a .yaml, .yml or .json file",
+            "give a YAML or JSON config file, or inline JSON starting with '{'",
+        )
     try:
         protocol = fsspec.utils.get_protocol(source)
         options = env_storage_options(protocol) if storage_options is None else storage_options
@@ -167,7 +181,11 @@ def _read_config_file(source: str, storage_options: dict[str, Any] | None) -> di
     if data is None:
         return {}
     if not isinstance(data, dict):
-        fail(where, f"holds {describe(data)}, not a mapping of sections", "write sections such as 'grpo: {max_num_steps: 2}'")
+        fail(
+            where,
+            f"holds {describe(data)}, not a mapping of sections",
+            "write sections such as 'grpo: {max_num_steps: 2}'",
+        )
     return data
 
 
@@ -179,7 +197,10 @@ def _unreadable(where: str, source: str, err: Exception) -> tuple[str, BaseExcep
     cause = err.__cause__
     if isinstance(err, FileNotFoundError) and not (cause is not None and is_transient(cause)):
         local = "" if "://" in source else f" (looked for {Path(source).expanduser().resolve()})"
-        return f"config {where}: does not exist{local}; check the path (a relative path starts at the current folder) or the URL", None
+        return (
+            f"config {where}: does not exist{local}; check the path (a relative path starts at the current folder) or the URL",
+            None,
+        )
     if isinstance(err, FileNotFoundError) and cause is not None:  # fsspec's HTTP filesystem: a refused connection
         err = cause  # type: ignore[assignment]
     fix = "check the URL, its credentials (the environment's) and that the filesystem's package is installed"
@@ -299,12 +320,20 @@ def _check_yaml_graph(root: Any, loader: Any, where: str) -> None:
                 if scalar and _hashable(key):
                     if key in seen:
                         line = key_node.start_mark.line + 1
-                        fail(where, f"gives the key {_dotted(path, key)!r} twice (lines {seen[key]} and {line})", _TWICE_FIX)
+                        fail(
+                            where,
+                            f"gives the key {_dotted(path, key)!r} twice (lines {seen[key]} and {line})",
+                            _TWICE_FIX,
+                        )
                     seen[key] = key_node.start_mark.line + 1
                 total += walk(key_node, path) + walk(value_node, path if merge else _dotted(path, key))
         del visiting[id(node)]
         if total > MAX_CONFIG_VALUES:
-            fail(where, f"{path or 'the document'} expands to more than {MAX_CONFIG_VALUES} values (YAML aliases repeated inside one another)", "write the config without nested aliases")
+            fail(
+                where,
+                f"{path or 'the document'} expands to more than {MAX_CONFIG_VALUES} values (YAML aliases repeated inside one another)",
+                "write the config without nested aliases",
+            )
         size[id(node)] = total
         return total
 

@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dataplane.urls import check_root, redact
-from rl.config.checks import Section, check_across_sections, check_fields, check_tracking_uri, config_root, describe, fail, refuse_credentials
+from rl.config.checks import (
+    Section,
+    check_across_sections,
+    check_fields,
+    check_tracking_uri,
+    config_root,
+    describe,
+    fail,
+    refuse_credentials,
+)
 from rl.config.descriptions import document_tree
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -79,7 +88,11 @@ class DataConfig(Section):
         check_fields(self)
         for key, value in self.dataset_kwargs.items():
             if isinstance(value, (dict, list)):
-                fail(f"data.dataset_kwargs.{key}", f"expected a bool, number, string or null, got {describe(value)}", "give reasoning-gym dataset arguments as single values")
+                fail(
+                    f"data.dataset_kwargs.{key}",
+                    f"expected a bool, number, string or null, got {describe(value)}",
+                    "give reasoning-gym dataset arguments as single values",
+                )
         if self.num_val_problems < 1:
             fail("data.num_val_problems", f"is {self.num_val_problems}", "use at least 1")
         if not 0.0 < self.val_fraction < 1.0:
@@ -102,9 +115,17 @@ class RewardShapingConfig(Section):
     def __post_init__(self) -> None:
         check_fields(self)
         if self.overlong_buffer_length < 1:
-            fail("grpo.reward_shaping.overlong_buffer_length", f"is {self.overlong_buffer_length}", "use at least 1 token, e.g. a fifth of generation.max_new_tokens")
+            fail(
+                "grpo.reward_shaping.overlong_buffer_length",
+                f"is {self.overlong_buffer_length}",
+                "use at least 1 token, e.g. a fifth of generation.max_new_tokens",
+            )
         if self.overlong_buffer_penalty < 0:
-            fail("grpo.reward_shaping.overlong_buffer_penalty", f"is {self.overlong_buffer_penalty}", "use a penalty >= 0, e.g. 1.0")
+            fail(
+                "grpo.reward_shaping.overlong_buffer_penalty",
+                f"is {self.overlong_buffer_penalty}",
+                "use a penalty >= 0, e.g. 1.0",
+            )
 
 
 @dataclass
@@ -152,21 +173,39 @@ class GRPOSettings(Section):
     def __post_init__(self) -> None:
         check_fields(self)
         if self.dynamic_sampling_max_gen_batches < 1:
-            fail("grpo.dynamic_sampling_max_gen_batches", f"is {self.dynamic_sampling_max_gen_batches}", "use at least 1")
+            fail(
+                "grpo.dynamic_sampling_max_gen_batches", f"is {self.dynamic_sampling_max_gen_batches}", "use at least 1"
+            )
         if self.advantage_clip is not None and self.advantage_clip <= 0:
-            fail("grpo.advantage_clip", f"is {self.advantage_clip}", "use a positive bound (e.g. 3.0) or null to turn clipping off")
+            fail(
+                "grpo.advantage_clip",
+                f"is {self.advantage_clip}",
+                "use a positive bound (e.g. 3.0) or null to turn clipping off",
+            )
         if self.num_prompts_per_step < 1:
             fail("grpo.num_prompts_per_step", f"is {self.num_prompts_per_step}", "use at least 1")
         if self.num_generations_per_prompt < 2:
-            fail("grpo.num_generations_per_prompt", f"is {self.num_generations_per_prompt}", "GRPO compares completions within a group: use at least 2")
+            fail(
+                "grpo.num_generations_per_prompt",
+                f"is {self.num_generations_per_prompt}",
+                "GRPO compares completions within a group: use at least 2",
+            )
         if self.max_num_steps < 1:
             fail("grpo.max_num_steps", f"is {self.max_num_steps}", "use at least 1")
         if self.val_period < 0:
             fail("grpo.val_period", f"is {self.val_period}", "use 0 (off) or a positive number of steps")
         if self.max_trajectory_age_steps < 0:
-            fail("grpo.max_trajectory_age_steps", f"is {self.max_trajectory_age_steps}", "use 0 (synchronous) or a positive number of steps, e.g. 1")
+            fail(
+                "grpo.max_trajectory_age_steps",
+                f"is {self.max_trajectory_age_steps}",
+                "use 0 (synchronous) or a positive number of steps, e.g. 1",
+            )
         if self.adv_estimator not in ADV_ESTIMATORS:
-            fail("grpo.adv_estimator", f"is {self.adv_estimator!r}", f"use one of {list(ADV_ESTIMATORS)} (RLOO and Dr. GRPO are settings of 'grpo')")
+            fail(
+                "grpo.adv_estimator",
+                f"is {self.adv_estimator!r}",
+                f"use one of {list(ADV_ESTIMATORS)} (RLOO and Dr. GRPO are settings of 'grpo')",
+            )
 
 
 @dataclass
@@ -195,13 +234,29 @@ class VLLMConfig(Section):
     def __post_init__(self) -> None:
         check_fields(self)
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            fail("generation.vllm_cfg.max_num_seqs", f"is {self.max_num_seqs}", "use at least 1, or null for the device's default")
+            fail(
+                "generation.vllm_cfg.max_num_seqs",
+                f"is {self.max_num_seqs}",
+                "use at least 1, or null for the device's default",
+            )
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            fail("generation.vllm_cfg.gpu_memory_utilization", f"is {self.gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.6, or null for the default")
+            fail(
+                "generation.vllm_cfg.gpu_memory_utilization",
+                f"is {self.gpu_memory_utilization}",
+                "use a share in (0, 1], e.g. 0.6, or null for the default",
+            )
         if self.cpu_kv_cache_gib <= 0:
-            fail("generation.vllm_cfg.cpu_kv_cache_gib", f"is {self.cpu_kv_cache_gib}", "use a positive size in GiB, e.g. 2")
+            fail(
+                "generation.vllm_cfg.cpu_kv_cache_gib",
+                f"is {self.cpu_kv_cache_gib}",
+                "use a positive size in GiB, e.g. 2",
+            )
         if self.max_model_len < 16:
-            fail("generation.vllm_cfg.max_model_len", f"is {self.max_model_len}", "use at least the longest prompt plus max_new_tokens, e.g. 2048")
+            fail(
+                "generation.vllm_cfg.max_model_len",
+                f"is {self.max_model_len}",
+                "use at least the longest prompt plus max_new_tokens, e.g. 2048",
+            )
 
 
 @dataclass
@@ -241,7 +296,11 @@ class GenerationConfig(Section):
         if self.batch_size is not None and self.batch_size < 1:
             fail("generation.batch_size", f"is {self.batch_size}", "use at least 1, or null to size it for the device")
         if self.backend == "vllm" and self.max_new_tokens >= self.vllm_cfg.max_model_len:
-            fail("generation.max_new_tokens", f"{self.max_new_tokens} leaves no room for the prompt in vllm_cfg.max_model_len={self.vllm_cfg.max_model_len}", "raise vllm_cfg.max_model_len")
+            fail(
+                "generation.max_new_tokens",
+                f"{self.max_new_tokens} leaves no room for the prompt in vllm_cfg.max_model_len={self.vllm_cfg.max_model_len}",
+                "raise vllm_cfg.max_model_len",
+            )
         if self.backend == "vllm" and self.top_p < 1 and self.temperature != 1:
             fail(
                 "generation.top_p",
@@ -274,11 +333,20 @@ class MegatronConfig(Section):
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "make_vocab_size_divisible_by"):
+        for key in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "make_vocab_size_divisible_by",
+        ):
             if getattr(self, key) < 1:
                 fail(f"policy.megatron_cfg.{key}", f"is {getattr(self, key)}", "use 1 or more")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            fail("policy.megatron_cfg.sequence_parallel", "is true with tensor_model_parallel_size 1", "set tensor_model_parallel_size above 1, or sequence_parallel to false")
+            fail(
+                "policy.megatron_cfg.sequence_parallel",
+                "is true with tensor_model_parallel_size 1",
+                "set tensor_model_parallel_size above 1, or sequence_parallel to false",
+            )
 
     @property
     def model_parallel_size(self) -> int:
@@ -312,7 +380,11 @@ class PolicyConfig(Section):
                 fail(f"policy.{key}", f"is {getattr(self, key)}", "use 1 or more")
         mp = self.megatron_cfg.model_parallel_size
         if mp > 1 and self.backend != "megatron":
-            fail("policy.megatron_cfg", f"asks for {mp} model-parallel ranks but policy.backend is {self.backend!r}", "set policy.backend to 'megatron'")
+            fail(
+                "policy.megatron_cfg",
+                f"asks for {mp} model-parallel ranks but policy.backend is {self.backend!r}",
+                "set policy.backend to 'megatron'",
+            )
         if self.world_size % mp:
             fail(
                 "policy.megatron_cfg",
@@ -373,8 +445,16 @@ class LossConfig(Section):
         if self.reference_policy_kl_type not in KL_TYPES:
             fail("loss.reference_policy_kl_type", f"is {self.reference_policy_kl_type!r}", "use 'k1', 'k2' or 'k3'")
         if self.reference_policy_kl_gradient not in KL_GRADIENTS:
-            fail("loss.reference_policy_kl_gradient", f"is {self.reference_policy_kl_gradient!r}", f"use one of {list(KL_GRADIENTS)}")
-        if self.reference_policy_kl_type == "k1" and self.reference_policy_kl_gradient == "estimator" and self.reference_policy_kl_penalty > 0:
+            fail(
+                "loss.reference_policy_kl_gradient",
+                f"is {self.reference_policy_kl_gradient!r}",
+                f"use one of {list(KL_GRADIENTS)}",
+            )
+        if (
+            self.reference_policy_kl_type == "k1"
+            and self.reference_policy_kl_gradient == "estimator"
+            and self.reference_policy_kl_penalty > 0
+        ):
             fail(
                 "loss.reference_policy_kl_type",
                 "is 'k1' with reference_policy_kl_gradient 'estimator': k1 = log pi - log pi_ref back-propagated as a loss has an "
@@ -384,7 +464,11 @@ class LossConfig(Section):
         if self.loss_type not in LOSS_TYPES:
             fail("loss.loss_type", f"is {self.loss_type!r}", f"use one of {list(LOSS_TYPES)}")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            fail("loss.importance_sampling_level", f"is {self.importance_sampling_level!r}", f"use one of {list(IMPORTANCE_SAMPLING_LEVELS)}")
+            fail(
+                "loss.importance_sampling_level",
+                f"is {self.importance_sampling_level!r}",
+                f"use one of {list(IMPORTANCE_SAMPLING_LEVELS)}",
+            )
         if self.importance_sampling_level != "token" and self.loss_type != "grpo":
             fail(
                 "loss.importance_sampling_level",
@@ -393,22 +477,52 @@ class LossConfig(Section):
                 "set loss_type: grpo (the sequence mean), or importance_sampling_level: token",
             )
         if self.loss_type == "cispo" and self.ratio_clip_c is not None:
-            fail("loss.ratio_clip_c", "is set with loss_type 'cispo', whose weight is already clipped and has no PPO term to bound", "set ratio_clip_c: null")
+            fail(
+                "loss.ratio_clip_c",
+                "is set with loss_type 'cispo', whose weight is already clipped and has no PPO term to bound",
+                "set ratio_clip_c: null",
+            )
         if self.reference_policy_kl_penalty < 0:
-            fail("loss.reference_policy_kl_penalty", f"is {self.reference_policy_kl_penalty}", "use 0 (off) or a positive weight")
+            fail(
+                "loss.reference_policy_kl_penalty",
+                f"is {self.reference_policy_kl_penalty}",
+                "use 0 (off) or a positive weight",
+            )
         if not 0 <= self.ratio_clip_min <= 1:
-            fail("loss.ratio_clip_min", f"is {self.ratio_clip_min}", "use a value in [0, 1], e.g. 0.2 (the ratio's lower bound is 1 - ratio_clip_min)")
+            fail(
+                "loss.ratio_clip_min",
+                f"is {self.ratio_clip_min}",
+                "use a value in [0, 1], e.g. 0.2 (the ratio's lower bound is 1 - ratio_clip_min)",
+            )
         if self.ratio_clip_max < 0:
-            fail("loss.ratio_clip_max", f"is {self.ratio_clip_max}", "use a value >= 0, e.g. 0.2 (the ratio's upper bound is 1 + ratio_clip_max)")
+            fail(
+                "loss.ratio_clip_max",
+                f"is {self.ratio_clip_max}",
+                "use a value >= 0, e.g. 0.2 (the ratio's upper bound is 1 + ratio_clip_max)",
+            )
         if self.seq_logprob_error_threshold is not None and self.seq_logprob_error_threshold < 1:
-            fail("loss.seq_logprob_error_threshold", f"is {self.seq_logprob_error_threshold}", "use a value >= 1 (1 = exact agreement) or null")
+            fail(
+                "loss.seq_logprob_error_threshold",
+                f"is {self.seq_logprob_error_threshold}",
+                "use a value >= 1 (1 = exact agreement) or null",
+            )
         if self.truncated_importance_sampling_ratio is not None:
             if self.truncated_importance_sampling_ratio <= 0:
-                fail("loss.truncated_importance_sampling_ratio", f"is {self.truncated_importance_sampling_ratio}", "use a positive bound (e.g. 2.0) or null")
+                fail(
+                    "loss.truncated_importance_sampling_ratio",
+                    f"is {self.truncated_importance_sampling_ratio}",
+                    "use a positive bound (e.g. 2.0) or null",
+                )
             if not self.use_importance_sampling_correction:
-                fail("loss.truncated_importance_sampling_ratio", "is set but use_importance_sampling_correction is false", "set use_importance_sampling_correction: true or drop the ratio")
+                fail(
+                    "loss.truncated_importance_sampling_ratio",
+                    "is set but use_importance_sampling_correction is false",
+                    "set use_importance_sampling_correction: true or drop the ratio",
+                )
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
-            fail("loss.ratio_clip_c", f"is {self.ratio_clip_c}", "use a value > 1 (e.g. 3) or null to turn dual clip off")
+            fail(
+                "loss.ratio_clip_c", f"is {self.ratio_clip_c}", "use a value > 1 (e.g. 3) or null to turn dual clip off"
+            )
 
 
 @dataclass
@@ -446,8 +560,17 @@ class OptimConfig(Section):
         if self.weight_decay < 0:
             fail("optim.weight_decay", f"is {self.weight_decay}", "use 0 (off) or a positive decay, e.g. 0.01")
         if self.train_global_batch_size is not None and self.train_global_batch_size < 1:
-            fail("optim.train_global_batch_size", f"is {self.train_global_batch_size}", "use a divisor of the step's samples, or null for the whole step")
-        for name in ("train_micro_batch_size", "logprob_batch_size", "train_max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
+            fail(
+                "optim.train_global_batch_size",
+                f"is {self.train_global_batch_size}",
+                "use a divisor of the step's samples, or null for the whole step",
+            )
+        for name in (
+            "train_micro_batch_size",
+            "logprob_batch_size",
+            "train_max_tokens_per_micro_batch",
+            "logprob_max_tokens_per_micro_batch",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(f"optim.{name}", f"is {value}", "use a number >= 1, or null for the device's default")
@@ -499,11 +622,23 @@ class CheckpointingConfig(Section):
     def __post_init__(self) -> None:
         check_fields(self)
         if self.checkpoint_period < 1 or self.keep_last_k < 1:
-            fail("checkpointing", "checkpoint_period and keep_last_k must be >= 1", "use e.g. checkpoint_period=2, keep_last_k=2")
+            fail(
+                "checkpointing",
+                "checkpoint_period and keep_last_k must be >= 1",
+                "use e.g. checkpoint_period=2, keep_last_k=2",
+            )
         if self.resume_run_id is not None and not self.resume_run_id.strip():
-            fail("checkpointing.resume_run_id", f"is {self.resume_run_id!r}", "give the run_id to resume (printed at the run's start, e.g. 'run-20261126-150101-1a2b3c'), or null to start a new run")
+            fail(
+                "checkpointing.resume_run_id",
+                f"is {self.resume_run_id!r}",
+                "give the run_id to resume (printed at the run's start, e.g. 'run-20261126-150101-1a2b3c'), or null to start a new run",
+            )
         if self.resume_run_id is not None and self.resume_run_id != self.resume_run_id.strip():
-            fail("checkpointing.resume_run_id", f"{self.resume_run_id!r} has leading or trailing spaces", f"write {self.resume_run_id.strip()!r}")
+            fail(
+                "checkpointing.resume_run_id",
+                f"{self.resume_run_id!r} has leading or trailing spaces",
+                f"write {self.resume_run_id.strip()!r}",
+            )
 
 
 @dataclass
@@ -525,7 +660,11 @@ class TrackingConfig(Section):
         if not self.uri.strip():
             fail("tracking.uri", "is empty", "use e.g. 'sqlite:///runs/mlflow.db' or 'http://host:5000'")
         if self.uri != self.uri.strip():
-            fail("tracking.uri", f"{redact(self.uri)!r} has leading or trailing spaces", f"write {redact(self.uri.strip())!r}")
+            fail(
+                "tracking.uri",
+                f"{redact(self.uri)!r} has leading or trailing spaces",
+                f"write {redact(self.uri.strip())!r}",
+            )
         check_tracking_uri(self.uri)
         if not self.experiment_name.strip():
             fail("tracking.experiment_name", "is empty", "name the MLflow experiment, e.g. 'grpoflow'")

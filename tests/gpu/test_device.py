@@ -24,7 +24,11 @@ def tiny(tiny_model_dir):
     from rl.model import load_tokenizer
 
     torch.backends.cuda.matmul.allow_tf32 = False  # compare float32 with float32
-    return load_model(tiny_model_dir, device="cpu"), load_model(tiny_model_dir, device=CUDA), load_tokenizer(tiny_model_dir)
+    return (
+        load_model(tiny_model_dir, device="cpu"),
+        load_model(tiny_model_dir, device=CUDA),
+        load_tokenizer(tiny_model_dir),
+    )
 
 
 def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -85,7 +89,9 @@ def test_greedy_decode_on_cuda_scores_its_tokens_as_the_cpu_forward_does(tiny):
     reported = torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in out.generation_logprobs])
     with torch.no_grad():
         teacher = forward_logprobs(cpu, ids, lengths, precision="float32", token_mask=mask)
-    assert torch.allclose(reported[mask], teacher[mask], atol=5e-3)  # left- vs right-padded, cached vs full: float noise
+    assert torch.allclose(
+        reported[mask], teacher[mask], atol=5e-3
+    )  # left- vs right-padded, cached vs full: float noise
 
 
 def test_sampling_on_cuda_is_fixed_by_the_seed(tiny):
@@ -146,11 +152,21 @@ def test_the_cuda_graph_decode_replays_the_eager_static_loop(tiny):
 
     _, gpu, tok = tiny
     rows = [p for p in ([1, 5, 9, 13, 17], [1, 7, 2, 8]) for _ in range(4)]
-    common = {"pad_id": tok.pad_token_id, "eos_id": tok.eos_token_id, "max_new_tokens": 24, "temperature": 1.0, "top_p": 1.0, "precision": "float32"}
+    common = {
+        "pad_id": tok.pad_token_id,
+        "eos_id": tok.eos_token_id,
+        "max_new_tokens": 24,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "precision": "float32",
+    }
     eager = decode_static(gpu, rows, **common, greedy=True, generator=None, graph=False)
     graphed = decode_static(gpu, rows, **common, greedy=True, generator=None, graph=True)
     assert torch.equal(eager[0], graphed[0]) and torch.allclose(eager[1], graphed[1], atol=1e-5)
-    sampled = [decode_static(gpu, rows, **common, greedy=False, generator=device_generator(CUDA, 3), graph=g) for g in (False, True)]
+    sampled = [
+        decode_static(gpu, rows, **common, greedy=False, generator=device_generator(CUDA, 3), graph=g)
+        for g in (False, True)
+    ]
     assert torch.equal(sampled[0][0], sampled[1][0])
 
 
@@ -169,6 +185,8 @@ def test_the_generation_back_end_decodes_with_cuda_graphs_in_bf16(tiny_model_dir
         gen.shutdown()
     plain, graphed = outs
     same = sum(torch.equal(a, b) for a, b in zip(plain.input_ids, graphed.input_ids, strict=True))
-    print(f"bf16 greedy completions equal with and without CUDA graphs: {same} of {len(plain.input_ids)}")  # bf16 rounding may differ
+    print(
+        f"bf16 greedy completions equal with and without CUDA graphs: {same} of {len(plain.input_ids)}"
+    )  # bf16 rounding may differ
     assert len(graphed.input_ids) == 8 and int(graphed.response_lengths.min()) >= 1
     assert all(torch.isfinite(x).all() and (x <= 0).all() for x in graphed.generation_logprobs)

@@ -68,20 +68,26 @@ def _policies(tmp_path, real_model_dir, precision: str):
     tok = load_tokenizer(real_model_dir)
     out = {}
     for name in ("transformers", "megatron"):
-        pol = registry.load("policy", name)(_cfg(tmp_path, precision, name), tokenizer=tok, reference_path=real_model_dir)
+        pol = registry.load("policy", name)(
+            _cfg(tmp_path, precision, name), tokenizer=tok, reference_path=real_model_dir
+        )
         pol.load_checkpoint(PolicyVersion(step=0, path=real_model_dir), with_optimizer=True)
         out[name] = pol
     return tok, out
 
 
 @pytest.mark.parametrize(("precision", "max_diff", "mean_diff"), [("float32", 2e-3, 2e-4), ("bfloat16", 0.3, 0.03)])
-def test_logprobs_match_the_transformers_backend_on_the_real_model(tmp_path, real_model_dir, precision, max_diff, mean_diff):
+def test_logprobs_match_the_transformers_backend_on_the_real_model(
+    tmp_path, real_model_dir, precision, max_diff, mean_diff
+):
     tok, pols = _policies(tmp_path, real_model_dir, precision)
     batch = _batch(tok)
     hf, mc = pols["transformers"].get_logprobs(batch), pols["megatron"].get_logprobs(batch)
     mask = batch["token_mask"]
     diff = (hf - mc).abs()[mask]
-    print(f"\n[megatron parity {precision}] {int(mask.sum())} tokens: max |diff| {float(diff.max()):.2e}, mean {float(diff.mean()):.2e} nats")
+    print(
+        f"\n[megatron parity {precision}] {int(mask.sum())} tokens: max |diff| {float(diff.max()):.2e}, mean {float(diff.mean()):.2e} nats"
+    )
     assert (mc[~mask] == 0).all() and (mc[mask] < 0).all()
     assert float(diff.max()) < max_diff and float(diff.mean()) < mean_diff
     ref = pols["megatron"].get_reference_policy_logprobs(batch)
@@ -106,7 +112,9 @@ def test_training_matches_the_transformers_backend_and_lowers_the_loss(tmp_path,
             losses.setdefault(name, []).append(metrics["loss"])
             if step == 0:
                 first[name] = metrics
-    print(f"\n[megatron train] losses {losses}; grad_norm {first['megatron']['grad_norm']:.6f} vs {first['transformers']['grad_norm']:.6f}")
+    print(
+        f"\n[megatron train] losses {losses}; grad_norm {first['megatron']['grad_norm']:.6f} vs {first['transformers']['grad_norm']:.6f}"
+    )
     assert first["megatron"]["loss"] == pytest.approx(first["transformers"]["loss"], abs=1e-4)
     assert first["megatron"]["grad_norm"] == pytest.approx(first["transformers"]["grad_norm"], rel=1e-2)
     assert first["megatron"]["global_valid_toks"] == first["transformers"]["global_valid_toks"]

@@ -30,7 +30,12 @@ def _weights(summary) -> dict[str, torch.Tensor]:
 def _history(cfg, summary, key: str) -> list[float]:
     from mlflow.tracking import MlflowClient
 
-    return [m.value for m in sorted(MlflowClient(cfg.tracking.uri).get_metric_history(summary.mlflow_run_id, key), key=lambda m: m.step)]
+    return [
+        m.value
+        for m in sorted(
+            MlflowClient(cfg.tracking.uri).get_metric_history(summary.mlflow_run_id, key), key=lambda m: m.step
+        )
+    ]
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -46,7 +51,11 @@ def test_age_0_through_the_collector_equals_the_synchronous_trainer_bit_for_bit(
     cfg_sync, sync = _run(tmp_path / "sync", tiny_model_dir, monkeypatch, "auto", **steps)  # a = 0: no collector
     cfg_coll, coll = _run(tmp_path / "coll", tiny_model_dir, monkeypatch, "on", **steps)  # a = 0 on the collector
     assert sync.final_step == coll.final_step == 3
-    assert metric_steps(cfg_coll.tracking.uri, coll.mlflow_run_id, "timing/rollout/wait") == [1, 2, 3]  # the collector ran
+    assert metric_steps(cfg_coll.tracking.uri, coll.mlflow_run_id, "timing/rollout/wait") == [
+        1,
+        2,
+        3,
+    ]  # the collector ran
     assert metric_steps(cfg_sync.tracking.uri, sync.mlflow_run_id, "timing/rollout/wait") == []
     assert _same(_weights(sync), _weights(coll))
     for key in ("train/loss", "train/reward", "train/kl_penalty", "train/grad_norm", "validation/accuracy"):
@@ -97,7 +106,10 @@ def test_collector_equals_the_rollout_task_path_and_bounds_the_age(tmp_path, tin
     assert all(0.0 < r < 1.0 for r in rewards), rewards  # the groups mix rewards: the advantages move the policy
     # off-policy steps (2, 3, 4): pi_old (the trained policy) differs from the sampler, and the correction weights it
     weights = _history(cfg_coll, coll, "train/sampling_importance_ratio")
-    low, high = _history(cfg_coll, coll, "train/sampling_importance_ratio_min"), _history(cfg_coll, coll, "train/sampling_importance_ratio_max")
+    low, high = (
+        _history(cfg_coll, coll, "train/sampling_importance_ratio_min"),
+        _history(cfg_coll, coll, "train/sampling_importance_ratio_max"),
+    )
     print(f"age {age}: importance weights per step: mean {weights}, min {low}, max {high}")
     assert low[0] == pytest.approx(1.0, abs=1e-5) and high[0] == pytest.approx(1.0, abs=1e-5)  # step 1 is on-policy
     for k in (1, 2, 3):
@@ -129,7 +141,10 @@ def test_sigkill_with_buffered_batches_then_resume_is_exact(tmp_path, tiny_model
     run_to_end(clean.to_dict())
     root = Path(crash.dataplane.root)
     # killed once step 3 is trained (after checkpoint 2 was saved and logged), with step 4's batch buffered
-    run_dir = kill_when(crash.to_dict(), lambda: list(root.glob("*/weights/step_000003/_COMPLETE")) and list(root.glob("*/step_000004/_sealed.json")))
+    run_dir = kill_when(
+        crash.to_dict(),
+        lambda: list(root.glob("*/weights/step_000003/_COMPLETE")) and list(root.glob("*/step_000004/_sealed.json")),
+    )
     assert not (run_dir / "checkpoints" / "step_000004").exists()
     sealed = {k: json.loads((run_dir / f"step_00000{k}" / "_sealed.json").read_text()) for k in (3, 4)}
     assert [sealed[k]["extra_info"]["rollout/weight_version"] for k in (3, 4)] == [0.0, 1.0]

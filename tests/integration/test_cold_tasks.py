@@ -60,7 +60,8 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
     prefix = f"s3://grpoflow/cold-{random.randrange(1 << 30)}"
     so = {"endpoint_url": s3_server}
     cfg = small_config(
-        tmp_path, DEFAULT_MODEL,
+        tmp_path,
+        DEFAULT_MODEL,
         grpo={"max_num_steps": 2, "val_period": 2},
         checkpointing={"checkpoint_period": 2, "keep_last_k": 1},  # step 1: weights only, as on a cluster by default
         dataplane={"root": f"{prefix}/cold", "storage_options": so},
@@ -78,7 +79,9 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
             _converted(tiny_model_dir, home / ".cache" / "grpoflow")
 
     pods = Pods(
-        tmp_path / "cluster", execution=f"cold{random.randrange(1 << 30):x}", env={"GRPOFLOW_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+        tmp_path / "cluster",
+        execution=f"cold{random.randrange(1 << 30):x}",
+        env={"GRPOFLOW_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
         prepare_home=prepare_home,
     )
     out = pods.run_workflow(spec, tasks, inputs)
@@ -118,7 +121,9 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
         assert fs.cat_file(f"{published[0]}/{rel}") == (Path(tiny_model_dir) / rel).read_bytes(), rel
     loaded = sorted(p.node for p in pods.pods if "into the node cache" in p.log)
     for step in (1, 2):
-        assert any(n.endswith(f"step-{step}-rollout") for n in loaded) and any(n.endswith(f"step-{step}-reference-logprobs") for n in loaded), loaded
+        assert any(n.endswith(f"step-{step}-rollout") for n in loaded) and any(
+            n.endswith(f"step-{step}-reference-logprobs") for n in loaded
+        ), loaded
     assert any(n.endswith("step-1-train") for n in loaded) and any("validate" in n for n in loaded), loaded
     assert not any(p.exists() for p in (tmp_path / "cluster" / "pods").glob("*/home"))
 
@@ -132,7 +137,8 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
     _converted(tiny_model_dir, tmp_path / "warm-cache")
     monkeypatch.setenv("GRPOFLOW_CACHE", str(tmp_path / "warm-cache"))
     warm_cfg = small_config(
-        tmp_path, DEFAULT_MODEL,
+        tmp_path,
+        DEFAULT_MODEL,
         grpo={"max_num_steps": 2, "val_period": 2},
         checkpointing={"checkpoint_period": 2, "keep_last_k": 1},
         dataplane={"root": f"{prefix}/warm", "storage_options": so},
@@ -142,13 +148,17 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
     assert not fs.exists(f"{prefix}/warm/{MODELS}".removeprefix("s3://"))  # a local run loads the model where it is
     cold_w, warm_w = _weights(summary.last_checkpoint, so), _weights(warm.last_checkpoint, so)
     assert cold_w.keys() == warm_w.keys()
-    assert all(torch.equal(cold_w[k], warm_w[k]) for k in cold_w), [k for k in cold_w if not torch.equal(cold_w[k], warm_w[k])]
+    assert all(torch.equal(cold_w[k], warm_w[k]) for k in cold_w), [
+        k for k in cold_w if not torch.equal(cold_w[k], warm_w[k])
+    ]
     assert paths.checkpoint_dir(cfg.dataplane.root, summary.run_id, 2) == summary.last_checkpoint
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(tmp_path, tiny_model_dir, s3_server, mlflow_server, monkeypatch):
+def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(
+    tmp_path, tiny_model_dir, s3_server, mlflow_server, monkeypatch
+):
     """``resources.steps_per_task: 2`` over 3 steps: a node for steps 1-2 and one for step 3, each a fresh process.
     Step 2 (the first node's last) hands its optimizer state to the second node through storage; step 1 saves only
     its weights (a checkpoint period of 3). The weights equal the warm run's, bit for bit."""
@@ -171,7 +181,8 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(tmp_path, 
 
     def config(root: str, k: int):
         return small_config(
-            tmp_path, tiny_model_dir,
+            tmp_path,
+            tiny_model_dir,
             grpo={"max_num_steps": 3, "val_period": 0},
             checkpointing={"checkpoint_period": 3, "keep_last_k": 1},
             dataplane={"root": root, "storage_options": so},
@@ -186,11 +197,17 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(tmp_path, 
     (spec,) = [e for e in entities if isinstance(e, WorkflowSpec) and e.template.id.name == "workflows.grpo.grpo"]
     ctx = FlyteContextManager.current_context()
     inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, RunConfig, TypeEngine.to_literal_type(RunConfig))}
-    pods = Pods(tmp_path / "cluster", execution=f"coldk{random.randrange(1 << 30):x}", env={"GRPOFLOW_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+    pods = Pods(
+        tmp_path / "cluster",
+        execution=f"coldk{random.randrange(1 << 30):x}",
+        env={"GRPOFLOW_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+    )
     summary = TypeEngine.to_python_value(ctx, pods.run_workflow(spec, tasks, inputs)["o0"], RunSummary)
 
     ran = [p.node for p in pods.pods]
-    assert [n.split("-", 1)[1] for n in ran if "grpo-steps" in n] == ["steps-1-2-grpo-steps", "steps-3-3-grpo-steps"], ran
+    assert [n.split("-", 1)[1] for n in ran if "grpo-steps" in n] == ["steps-1-2-grpo-steps", "steps-3-3-grpo-steps"], (
+        ran
+    )
     assert not any(n.endswith(("-rollout", "-train")) for n in ran), ran  # no per-task nodes
     assert all(p.returncode == 0 for p in pods.pods)
     assert summary.final_step == 3
@@ -199,5 +216,7 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(tmp_path, 
     warm = grpo(cfg=config(f"{prefix}/warm", 1))
     cold_w, warm_w = _weights(summary.last_checkpoint, so), _weights(warm.last_checkpoint, so)
     assert cold_w.keys() == warm_w.keys()
-    assert all(torch.equal(cold_w[k], warm_w[k]) for k in cold_w), [k for k in cold_w if not torch.equal(cold_w[k], warm_w[k])]
+    assert all(torch.equal(cold_w[k], warm_w[k]) for k in cold_w), [
+        k for k in cold_w if not torch.equal(cold_w[k], warm_w[k])
+    ]
     assert checkpoint.has_trainer_state(summary.last_checkpoint, so)

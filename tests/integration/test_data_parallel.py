@@ -120,16 +120,30 @@ def _run(cfg, *, drills: dict | None = None, failures: list | None = None, steps
     columns, weights = {}, {}
     for step in steps:
         batch = rollout(cfg=cfg, run=run, policy=policy, step=step)
-        prev = _attempts(policy_logprobs, drills.get(("policy_logprobs", step)), failures, cfg=cfg, run=run, policy=policy, meta=batch)
-        ref = _attempts(reference_logprobs, drills.get(("reference_logprobs", step)), failures, cfg=cfg, run=run, meta=batch)
+        prev = _attempts(
+            policy_logprobs,
+            drills.get(("policy_logprobs", step)),
+            failures,
+            cfg=cfg,
+            run=run,
+            policy=policy,
+            meta=batch,
+        )
+        ref = _attempts(
+            reference_logprobs, drills.get(("reference_logprobs", step)), failures, cfg=cfg, run=run, meta=batch
+        )
         adv = advantages(cfg=cfg, run=run, meta=batch)
         _set_advantages(cfg, run, adv)
         dp = DataPlane(cfg.dataplane.root, run.run_id)
         read = dp.read(batch.join(prev, ref), [F.PREV_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS], layout="jagged")
         columns[step] = {k: dict(zip(batch.sample_ids, v.unbind(), strict=True)) for k, v in read.items()}
         # the visible reference-logprob writes: one per rank, also after a retried attempt
-        columns[step]["ref_lp writes"] = sorted(c["write_id"] for c in dp._commits(dp._part(batch.partition_id)) if c["task_name"] == "ref_lp")
-        policy = _attempts(train, drills.get(("train", step)), failures, cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
+        columns[step]["ref_lp writes"] = sorted(
+            c["write_id"] for c in dp._commits(dp._part(batch.partition_id)) if c["task_name"] == "ref_lp"
+        )
+        policy = _attempts(
+            train, drills.get(("train", step)), failures, cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref
+        )
         weights[step] = _weights(policy)
     return run, policy, columns, weights
 
@@ -188,7 +202,13 @@ def test_two_ranks_train_gspo_as_one_rank(tmp_path, tiny_model_dir):
     differs = max(float((weights1[1][k] - weights2[1][k]).abs().max()) for k in w0)
     assert moved > 5e-4 and differs < 1e-5, (moved, differs)
     m1, m2 = _metrics(cfg1.tracking.uri, run1.mlflow_run_id), _metrics(cfg2.tracking.uri, run2.mlflow_run_id)
-    for key in ("train/loss", "train/grad_norm", "train/sampling_importance_ratio", "train/clip_fraction/low", "train/clip_fraction/high"):
+    for key in (
+        "train/loss",
+        "train/grad_norm",
+        "train/sampling_importance_ratio",
+        "train/clip_fraction/low",
+        "train/clip_fraction/high",
+    ):
         assert m2[key][0][1] == pytest.approx(m1[key][0][1], rel=1e-4, abs=1e-6), key
 
 
@@ -200,7 +220,9 @@ def test_a_rank_that_dies_fails_the_task_clearly_and_the_retry_ends_as_a_clean_r
     # write of step 2 (rank 0's write is then committed too: the retry replaces both)
     drills = {("train", 1): "train:1", ("reference_logprobs", 2): "reference_logprobs:1"}
     run, policy, columns, _ = _run(cfg, drills=drills, failures=failures)
-    assert len(columns[2]["ref_lp writes"]) == 2 and columns[2]["ref_lp writes"] == clean_columns[2]["ref_lp writes"]  # replaced
+    assert (
+        len(columns[2]["ref_lp writes"]) == 2 and columns[2]["ref_lp writes"] == clean_columns[2]["ref_lp writes"]
+    )  # replaced
 
     assert len(failures) == 2
     for task, message in zip(("train", "reference_logprobs"), failures, strict=True):
@@ -211,7 +233,10 @@ def test_a_rank_that_dies_fails_the_task_clearly_and_the_retry_ends_as_a_clean_r
     assert _state(cfg, run) == _state(clean_cfg, clean_run)  # checkpoints, data plane: the same bytes
     a, b = _weights(policy), _weights(clean_policy)
     assert all(a[k].equal(b[k]) for k in a)
-    clean, faulty = _metrics(clean_cfg.tracking.uri, clean_run.mlflow_run_id), _metrics(cfg.tracking.uri, run.mlflow_run_id)
+    clean, faulty = (
+        _metrics(clean_cfg.tracking.uri, clean_run.mlflow_run_id),
+        _metrics(cfg.tracking.uri, run.mlflow_run_id),
+    )
     assert sorted(clean) == sorted(faulty)
     for key, history in faulty.items():
         assert [s for s, _ in history] == [s for s, _ in clean[key]], key  # each step once
@@ -226,7 +251,9 @@ def test_a_local_run_whose_rank_dies_in_step_1_completes(tmp_path, tiny_model_di
     from workflows.grpo import grpo
 
     cfg = small_config(
-        tmp_path, tiny_model_dir, policy={"nproc_per_node": 2},
+        tmp_path,
+        tiny_model_dir,
+        policy={"nproc_per_node": 2},
         grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 1, "val_period": 0},
         optim={"train_global_batch_size": 4, "train_micro_batch_size": 2},  # on-policy: no policy_logprobs task
     )
@@ -249,7 +276,9 @@ def test_a_rank_that_raises_fails_the_task_with_its_error(tmp_path, tiny_model_d
     cfg = _cfg(tmp_path, tiny_model_dir, 2)
     run = start_run(cfg=cfg)
     meta = KVBatchMeta(partition_id="step_000009", sample_ids=["a", "b", "c"], sequence_lengths=[3, 4, 5])
-    with pytest.raises(Exception, match=r"reference_logprobs: rank [01] of 2 \(pid \d+\) failed: .*step_000009") as failed:
+    with pytest.raises(
+        Exception, match=r"reference_logprobs: rank [01] of 2 \(pid \d+\) failed: .*step_000009"
+    ) as failed:
         reference_logprobs(cfg=cfg, run=run, meta=meta)
     assert not isinstance(failed.value, FlyteRecoverableException)  # an error that a retry would repeat
 
@@ -269,7 +298,12 @@ def test_pyflyte_run_with_two_ranks(tmp_path, tiny_model_dir):
     pyflyte = Path(sys.executable).with_name("pyflyte")
     done = subprocess.run(
         [str(pyflyte), "run", str(root / "workflows/grpo.py"), "grpo", "--cfg", json.dumps(cfg.to_dict())],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "[grpoflow] done: 1 steps" in done.stdout

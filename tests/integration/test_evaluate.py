@@ -49,7 +49,9 @@ def _table_rows(cfg, summary, step: int, tmp_path: Path) -> list[list]:
     """The rows of the completions table ``evaluation/step_N.json`` of the run's MLflow run."""
     from mlflow.tracking import MlflowClient
 
-    local = MlflowClient(cfg.tracking.uri).download_artifacts(summary.mlflow_run_id, f"evaluation/step_{step:06d}.json", str(tmp_path))
+    local = MlflowClient(cfg.tracking.uri).download_artifacts(
+        summary.mlflow_run_id, f"evaluation/step_{step:06d}.json", str(tmp_path)
+    )
     return json.loads(Path(local).read_text())["data"]
 
 
@@ -153,7 +155,12 @@ def test_both_run_id_and_checkpoint_is_refused(trained):
     cfg, summary = trained
     url = str(_checkpoint(cfg, summary, 1))
     before = _history(cfg, summary)
-    _raises(rf"find_checkpoint: give run_id \('{summary.run_id}'\) or checkpoint \('{url}'\), not both", cfg=cfg, run_id=summary.run_id, checkpoint=url)
+    _raises(
+        rf"find_checkpoint: give run_id \('{summary.run_id}'\) or checkpoint \('{url}'\), not both",
+        cfg=cfg,
+        run_id=summary.run_id,
+        checkpoint=url,
+    )
     assert _history(cfg, summary) == before
 
 

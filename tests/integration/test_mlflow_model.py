@@ -98,7 +98,9 @@ def test_final_model_is_logged_registered_and_loads_back(tmp_path, tiny_model_di
     assert "model.safetensors" in hf_files and "config.json" in hf_files and "tokenizer.json" in hf_files
     assert not any(name.startswith("_") or name == "trainer_state" for name in hf_files)  # no marker, no trainer state
     requirements = (local / "requirements.txt").read_text().split()
-    assert any(r.startswith("transformers==") for r in requirements) and any(r.startswith("torch==") for r in requirements)
+    assert any(r.startswith("transformers==") for r in requirements) and any(
+        r.startswith("torch==") for r in requirements
+    )
     assert loaded["task"] == "text-generation"
     state = loaded["model"].state_dict()
     assert state.keys() == weights.keys()

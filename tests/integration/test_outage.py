@@ -34,7 +34,8 @@ def test_run_completes_through_a_30s_s3_outage(tmp_path, tiny_model_dir, s3_serv
     proxy = TcpProxy((endpoint.hostname, endpoint.port), seed=7)
     prefix = f"outage-{random.randrange(1 << 30)}"
     cfg = small_config(
-        tmp_path, tiny_model_dir,
+        tmp_path,
+        tiny_model_dir,
         grpo={"max_num_steps": 3, "val_period": 3},
         dataplane={"root": f"s3://grpoflow/{prefix}", "storage_options": {"endpoint_url": proxy.url}},
     )

@@ -24,7 +24,9 @@ def _final_weights(root: Path) -> dict[str, torch.Tensor]:
 def test_sigkill_during_step_3_then_resume_is_exact(tmp_path, tiny_model_dir):
     from mlflow.tracking import MlflowClient
 
-    overrides = dict(grpo={"max_num_steps": 4, "val_period": 0}, checkpointing={"checkpoint_period": 2, "keep_last_k": 2})
+    overrides = dict(
+        grpo={"max_num_steps": 4, "val_period": 0}, checkpointing={"checkpoint_period": 2, "keep_last_k": 2}
+    )
     clean = small_config(tmp_path / "clean", tiny_model_dir, **overrides)
     crash = small_config(tmp_path / "crash", tiny_model_dir, **overrides)
 
@@ -85,7 +87,9 @@ def undisturbed(tmp_path_factory, tiny_model_dir) -> dict[str, list[tuple[int, f
 
 @pytest.mark.integration
 @pytest.mark.parametrize("stop", ["after_the_save", "before_the_save"])
-def test_a_run_stopped_beside_a_checkpoint_save_loses_no_metric_and_is_marked_failed(tmp_path, tiny_model_dir, monkeypatch, stop, undisturbed):
+def test_a_run_stopped_beside_a_checkpoint_save_loses_no_metric_and_is_marked_failed(
+    tmp_path, tiny_model_dir, monkeypatch, stop, undisturbed
+):
     """Issue 29: a run stopped at step 2 of 2 right after its checkpoint's save (``after_the_save``: a resume starts
     after that step, and today never logged its metrics), or right before it (``before_the_save``: a resume trains
     the step again). The stop is an exception where the kill would land (``tasks.saving.save_policy``); nothing of

@@ -80,7 +80,11 @@ def _state(cfg, run) -> dict[str, str]:
             data = json.dumps(doc, sort_keys=True).encode()
         if path.name == "_sealed.json":  # the batch's meta: its rollout metrics include generation timings
             doc = json.loads(data)
-            doc["extra_info"] = {k: v for k, v in doc["extra_info"].items() if k not in ("rollout/generation_time_s", "rollout/generated_tokens_per_s")}
+            doc["extra_info"] = {
+                k: v
+                for k, v in doc["extra_info"].items()
+                if k not in ("rollout/generation_time_s", "rollout/generated_tokens_per_s")
+            }
             data = json.dumps(doc, sort_keys=True).encode()
         if path.name == "_COMPLETE":  # the manifest: its digest of state.json covers the MLflow run id
             doc = json.loads(data)
@@ -115,11 +119,12 @@ def _fail_once_after(monkeypatch, owner, name, label, fired, when):
 
 @pytest.mark.integration
 def test_retried_partial_failures_leave_the_clean_state(tmp_path, tiny_model_dir, monkeypatch):
+    from safetensors.torch import load_file
+
     import rl.backends.hf.train
     import tasks.saving
     import tasks.tracking
     from dataplane.client import DataPlane
-    from safetensors.torch import load_file
 
     clean_cfg = small_config(tmp_path / "clean", tiny_model_dir)
     clean_snaps: list = []
@@ -130,16 +135,47 @@ def test_retried_partial_failures_leave_the_clean_state(tmp_path, tiny_model_dir
     def second_update(model, optimizer, scheduler, *args, **kwargs):
         return scheduler.last_epoch == 2  # (checked after the call) the update of step 2, in any attempt
 
-    _fail_once_after(monkeypatch, DataPlane, "put", "rollout step 1", fired, lambda self, part, *a, **k: part == "step_000001")
-    _fail_once_after(monkeypatch, tasks.saving, "save_policy", "train step 1 after saving", fired, lambda cfg, run, backend, *a, **k: backend.weight_version == 1)
     _fail_once_after(
-        monkeypatch, DataPlane, "write_columns", "ref_lp step 2", fired,
+        monkeypatch, DataPlane, "put", "rollout step 1", fired, lambda self, part, *a, **k: part == "step_000001"
+    )
+    _fail_once_after(
+        monkeypatch,
+        tasks.saving,
+        "save_policy",
+        "train step 1 after saving",
+        fired,
+        lambda cfg, run, backend, *a, **k: backend.weight_version == 1,
+    )
+    _fail_once_after(
+        monkeypatch,
+        DataPlane,
+        "write_columns",
+        "ref_lp step 2",
+        fired,
         lambda self, meta, *a, task_name=None, **k: task_name == "ref_lp" and meta.partition_id == "step_000002",
     )
-    _fail_once_after(monkeypatch, tasks.tracking, "log_metrics", "train step 1 after logging", fired, lambda uri, run, metrics, step: step == 1 and "train/loss" in metrics)
-    _fail_once_after(monkeypatch, rl.backends.hf.train, "train_on_batch", "train step 2 after the update", fired, second_update)
-    _fail_once_after(monkeypatch, DataPlane, "clear", "train step 2 after the clear", fired, lambda self, part: part == "step_000002")
-    _fail_once_after(monkeypatch, tasks.tracking, "log_metrics", "validation after logging", fired, lambda uri, run, metrics, step: "validation/accuracy" in metrics)
+    _fail_once_after(
+        monkeypatch,
+        tasks.tracking,
+        "log_metrics",
+        "train step 1 after logging",
+        fired,
+        lambda uri, run, metrics, step: step == 1 and "train/loss" in metrics,
+    )
+    _fail_once_after(
+        monkeypatch, rl.backends.hf.train, "train_on_batch", "train step 2 after the update", fired, second_update
+    )
+    _fail_once_after(
+        monkeypatch, DataPlane, "clear", "train step 2 after the clear", fired, lambda self, part: part == "step_000002"
+    )
+    _fail_once_after(
+        monkeypatch,
+        tasks.tracking,
+        "log_metrics",
+        "validation after logging",
+        fired,
+        lambda uri, run, metrics, step: "validation/accuracy" in metrics,
+    )
 
     faulty_cfg = small_config(tmp_path / "faulty", tiny_model_dir)
     faulty_snaps: list = []
@@ -209,11 +245,19 @@ def test_a_pods_attempt_raises_a_recoverable_error_once_and_a_local_run_retries_
     command = connection_drops.get_default_command(SerializationSettings(image_config=ImageConfig.auto_default_image()))
     args = [Pods._substitute(a, pod_dir) for a in command]
     args[0] = str(Path(sys.executable).parent / args[0])  # pyflyte-execute of this virtualenv
-    env = {**os.environ, ATTEMPTS_ENV: str(pod), "PYTHONPATH": str(ROOT), "FLYTE_INTERNAL_EXECUTION_ID": "pod0", "FLYTE_ATTEMPT_NUMBER": "0"}
+    env = {
+        **os.environ,
+        ATTEMPTS_ENV: str(pod),
+        "PYTHONPATH": str(ROOT),
+        "FLYTE_INTERNAL_EXECUTION_ID": "pod0",
+        "FLYTE_ATTEMPT_NUMBER": "0",
+    }
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
     doc = errors_pb2.ErrorDocument()
     doc.ParseFromString((pod_dir / "out" / "error.pb").read_bytes())
     assert doc.error.kind == errors_pb2.ContainerError.RECOVERABLE, doc
     assert "injected fault (1)" in doc.error.message
-    assert pod.read_text().count("attempt") == 1, done.stdout[-2000:] + done.stderr[-2000:]  # one attempt: Flyte retries
+    assert pod.read_text().count("attempt") == 1, (
+        done.stdout[-2000:] + done.stderr[-2000:]
+    )  # one attempt: Flyte retries
     assert "[grpoflow]" not in done.stderr

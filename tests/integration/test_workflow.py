@@ -13,19 +13,50 @@ from tests.helpers import metric_steps, small_config
 
 # the reference's metric list (NeMo-RL grpo.py, see the digest), logged at every step
 STEP_METRICS = [
-    *(f"train/{k}" for k in (
-        "loss", "grad_norm", "reward", "filtered_reward", "mean_prompt_length", "total_num_tokens",
-        "advantages/mean", "advantages/max", "advantages/min",
-        "baseline_reward/pct_0", "baseline_reward/pct_1", "baseline_reward/pct_mixed",
-        "dynamic_sampling_num_gen_batches", "dynamic_sampling_num_discarded_valid_samples",
-        "probs_ratio", "probs_ratio_clamped", "kl_penalty", "token_mult_prob_error", "approx_entropy", "lr",
-        "global_valid_toks", "generated_tokens_per_s", "sampling_importance_ratio", "clip_fraction/low", "clip_fraction/high",
-        "max_seq_mult_prob_error", "mean_seq_mult_prob_error", "min_seq_mult_prob_error",
-    )),
-    *(f"timing/train/{k}" for k in (
-        "total_step_time", "generation", "policy_and_reference_logprobs", "advantage_calculation",
-        "policy_training", "checkpointing",
-    )),
+    *(
+        f"train/{k}"
+        for k in (
+            "loss",
+            "grad_norm",
+            "reward",
+            "filtered_reward",
+            "mean_prompt_length",
+            "total_num_tokens",
+            "advantages/mean",
+            "advantages/max",
+            "advantages/min",
+            "baseline_reward/pct_0",
+            "baseline_reward/pct_1",
+            "baseline_reward/pct_mixed",
+            "dynamic_sampling_num_gen_batches",
+            "dynamic_sampling_num_discarded_valid_samples",
+            "probs_ratio",
+            "probs_ratio_clamped",
+            "kl_penalty",
+            "token_mult_prob_error",
+            "approx_entropy",
+            "lr",
+            "global_valid_toks",
+            "generated_tokens_per_s",
+            "sampling_importance_ratio",
+            "clip_fraction/low",
+            "clip_fraction/high",
+            "max_seq_mult_prob_error",
+            "mean_seq_mult_prob_error",
+            "min_seq_mult_prob_error",
+        )
+    ),
+    *(
+        f"timing/train/{k}"
+        for k in (
+            "total_step_time",
+            "generation",
+            "policy_and_reference_logprobs",
+            "advantage_calculation",
+            "policy_training",
+            "checkpointing",
+        )
+    ),
 ]
 
 
@@ -34,7 +65,9 @@ STEP_METRICS = [
     "backend",
     [
         "transformers",
-        pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")),
+        pytest.param(
+            "vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+        ),
     ],
 )
 def test_two_steps_through_local_executor(tmp_path, tiny_model_dir, backend):
@@ -80,22 +113,42 @@ def test_two_steps_per_task_equal_a_node_per_task(tmp_path, tiny_model_dir):
 
     runs = {}
     for k in (1, 2):
-        cfg = small_config(tmp_path / f"k{k}", tiny_model_dir, grpo={"max_num_steps": 3, "val_period": 2}, resources={"steps_per_task": k})
+        cfg = small_config(
+            tmp_path / f"k{k}",
+            tiny_model_dir,
+            grpo={"max_num_steps": 3, "val_period": 2},
+            resources={"steps_per_task": k},
+        )
         summary = grpo(cfg=cfg)
         assert summary.final_step == 3
         history = {
-            key: [(m.step, m.value) for m in sorted(MlflowClient(cfg.tracking.uri).get_metric_history(summary.mlflow_run_id, key), key=lambda m: m.step)]
+            key: [
+                (m.step, m.value)
+                for m in sorted(
+                    MlflowClient(cfg.tracking.uri).get_metric_history(summary.mlflow_run_id, key), key=lambda m: m.step
+                )
+            ]
             for key in ("train/loss", "train/reward", "train/grad_norm", "validation/accuracy")
         }
-        runs[k] = (load_file(str(Path(summary.last_checkpoint) / "model.safetensors")), history, summary.validation_accuracy)
+        runs[k] = (
+            load_file(str(Path(summary.last_checkpoint) / "model.safetensors")),
+            history,
+            summary.validation_accuracy,
+        )
     (w1, h1, a1), (w2, h2, a2) = runs[1], runs[2]
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
-    assert h1 == h2 and [s for s, _ in h1["train/loss"]] == [1, 2, 3] and [s for s, _ in h1["validation/accuracy"]] == [2, 3]
+    assert (
+        h1 == h2
+        and [s for s, _ in h1["train/loss"]] == [1, 2, 3]
+        and [s for s, _ in h1["validation/accuracy"]] == [2, 3]
+    )
     assert a1 == a2
 
 
 @pytest.mark.integration
-def test_a_retried_multi_step_task_trains_again_what_its_first_attempt_did_not_finish(tmp_path, tiny_model_dir, monkeypatch):
+def test_a_retried_multi_step_task_trains_again_what_its_first_attempt_did_not_finish(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     """Tasks of steps 1-2 and 3-4, as on a cluster (``cold_tasks``: each hands the next its trainer state through
     storage). The second dies after saving step 4 and before logging its last metrics (the MLflow call fails): its retry
     finds no step of its range finished, starts again from its input policy (step 2's, kept although step 4's save
@@ -115,8 +168,11 @@ def test_a_retried_multi_step_task_trains_again_what_its_first_attempt_did_not_f
 
     def config(name: str):
         return small_config(
-            tmp_path / name, tiny_model_dir, grpo={"max_num_steps": 4, "val_period": 2},
-            checkpointing={"checkpoint_period": 4, "keep_last_k": 1}, resources={"steps_per_task": 2},
+            tmp_path / name,
+            tiny_model_dir,
+            grpo={"max_num_steps": 4, "val_period": 2},
+            checkpointing={"checkpoint_period": 4, "keep_last_k": 1},
+            resources={"steps_per_task": 2},
         )
 
     clean_cfg = config("clean")
@@ -134,14 +190,20 @@ def test_a_retried_multi_step_task_trains_again_what_its_first_attempt_did_not_f
         return real(uri, run_id, metrics, step)
 
     monkeypatch.setattr(tracking, "log_metrics", dies_once)
-    with pytest.raises(FlyteRecoverableException, match=r"^USER:Recoverable: error=train: transient ConnectionError: the tracking server went away \(Flyte retries the task\)"):
+    with pytest.raises(
+        FlyteRecoverableException,
+        match=r"^USER:Recoverable: error=train: transient ConnectionError: the tracking server went away \(Flyte retries the task\)",
+    ):
         grpo_steps.task_function(cfg=cfg, run=run, policy=p2, first=3, last=4, accuracy=-1.0)
     assert died == [4] and Path(p2.path.removeprefix("file://"), "_COMPLETE").exists()  # the input survived
     policy, accuracy = grpo_steps.task_function(cfg=cfg, run=run, policy=p2, first=3, last=4, accuracy=-1.0)
     again = grpo_steps.task_function(cfg=cfg, run=run, policy=p2, first=3, last=4, accuracy=-1.0)
     assert again == (policy, accuracy) and accuracy == clean.validation_accuracy
 
-    w, w_clean = (load_file(str(Path(p.removeprefix("file://")) / "model.safetensors")) for p in (policy.path, clean.last_checkpoint))
+    w, w_clean = (
+        load_file(str(Path(p.removeprefix("file://")) / "model.safetensors"))
+        for p in (policy.path, clean.last_checkpoint)
+    )
     assert w.keys() == w_clean.keys() and all(torch.equal(w[k], w_clean[k]) for k in w)
 
     def losses(uri: str, run_id: str) -> list[tuple[int, float]]:
@@ -163,7 +225,8 @@ def test_a_variant_run_trains_with_the_advantages_its_config_asks_for(tmp_path, 
     from workflows.grpo import grpo
 
     cfg = small_config(
-        tmp_path, tiny_model_dir,
+        tmp_path,
+        tiny_model_dir,
         grpo={"adv_estimator": "reinforce_plus_plus", "reward_shaping": {"enabled": True, "overlong_buffer_length": 6}},
         loss={"loss_type": "grpo", "importance_sampling_level": "sequence"},
         optim={"lr": 1e-3, "train_micro_batch_size": 4, "logprob_batch_size": 8, "train_global_batch_size": 8},
@@ -178,10 +241,22 @@ def test_a_variant_run_trains_with_the_advantages_its_config_asks_for(tmp_path, 
         rewards = torch.tensor(table["rewards"], dtype=torch.float32)
         want = advantages_for_step(rewards, torch.tensor(table["sample_mask"]), lengths, cfg).advantages
         assert torch.equal(torch.tensor(table["advantages"], dtype=torch.float32), want), step
-        penalty = overlong_penalty(lengths, max_response_length=8, overlong_buffer_length=6, overlong_buffer_penalty=1.0)
-        logged = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "train/reward_shaping/overlong_penalty")}
+        penalty = overlong_penalty(
+            lengths, max_response_length=8, overlong_buffer_length=6, overlong_buffer_penalty=1.0
+        )
+        logged = {
+            m.step: m.value
+            for m in client.get_metric_history(summary.mlflow_run_id, "train/reward_shaping/overlong_penalty")
+        }
         assert logged[step] == pytest.approx(float(penalty.mean()), abs=1e-6) and float(penalty.min()) < 0
-    for key in ("train/sampling_importance_ratio", "train/clip_fraction/low", "train/clip_fraction/high", "train/approx_entropy"):
+    for key in (
+        "train/sampling_importance_ratio",
+        "train/clip_fraction/low",
+        "train/clip_fraction/high",
+        "train/approx_entropy",
+    ):
         assert metric_steps(cfg.tracking.uri, summary.mlflow_run_id, key) == [1, 2], key
     ratios = [m.value for m in client.get_metric_history(summary.mlflow_run_id, "train/probs_ratio")]
-    assert max(abs(r - 1) for r in ratios) > 1e-4  # the second update of a step trained on prev_logprobs of older weights
+    assert (
+        max(abs(r - 1) for r in ratios) > 1e-4
+    )  # the second update of a step trained on prev_logprobs of older weights

@@ -29,10 +29,30 @@ B, G, T = 2, 2, 4
 def bench_run(tiny_model_dir, tmp_path_factory):
     """``(JSON record, stdout)`` of a 2-step run (one warm-up, one timed) with a CPU peak of 1 TFLOP/s set."""
     tmp = tmp_path_factory.mktemp("bench_step")
-    args = ["--model", tiny_model_dir, "--device", "cpu", "--prompts", str(B), "--group", str(G), "--max-new-tokens", str(T),
-            "--repeats", "2", "--json", str(tmp / "out.jsonl"), "--workdir", str(tmp / "work"), "--out", str(tmp / "out.md")]
+    args = [
+        "--model",
+        tiny_model_dir,
+        "--device",
+        "cpu",
+        "--prompts",
+        str(B),
+        "--group",
+        str(G),
+        "--max-new-tokens",
+        str(T),
+        "--repeats",
+        "2",
+        "--json",
+        str(tmp / "out.jsonl"),
+        "--workdir",
+        str(tmp / "work"),
+        "--out",
+        str(tmp / "out.md"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOFLOW_PEAK_TFLOPS": "1"}
-    proc = subprocess.run([sys.executable, "-c", RUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (tmp / "out.jsonl").read_text().splitlines()
     assert len(lines) == 1
@@ -69,7 +89,9 @@ def test_token_counts_match_the_rows_the_step_wrote(bench_run, tiny_model_dir):
 
     # the timed step is step 2: training problems B .. 2B-1, each prompt G times; update tokens = prompts + responses
     d = config_from_dict({}).data
-    problems = train_problems(dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=B, count=B)
+    problems = train_problems(
+        dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=B, count=B
+    )
     tok = load_tokenizer(tiny_model_dir)
     prompt_lengths = [len(prompt_token_ids(tok, p.question, d.system_prompt)) for p in problems]  # [B]
     assert record["update_tokens"] == G * sum(prompt_lengths) + generated
@@ -94,7 +116,10 @@ def test_neither_flyte_nor_mlflow_is_imported(bench_run):
 def test_device_cuda_fails_early_without_cuda(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.step", "--device", "cuda", "--model", str(tmp_path / "never-read")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert "--device cuda, but torch" in proc.stderr and "sees no CUDA device" in proc.stderr

@@ -41,9 +41,18 @@ def pyflyte():
 @pytest.mark.parametrize(
     ("cfg", "message"),
     [
-        ('{"grpo": {"max_num_steps": "four"}}', "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted"),
-        ('{"optim": {"lr": "fast"}}', "config optim.lr: expected a finite number, got the string 'fast'; write a number such as 0.5 or 1e-5"),
-        ('{"optim": {"lr_typo": 1}}', "config optim: unknown keys ['lr_typo']; use only ['deterministic', 'logprob_batch_size',"),
+        (
+            '{"grpo": {"max_num_steps": "four"}}',
+            "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted",
+        ),
+        (
+            '{"optim": {"lr": "fast"}}',
+            "config optim.lr: expected a finite number, got the string 'fast'; write a number such as 0.5 or 1e-5",
+        ),
+        (
+            '{"optim": {"lr_typo": 1}}',
+            "config optim: unknown keys ['lr_typo']; use only ['deterministic', 'logprob_batch_size',",
+        ),
         ('{"grpo": {"max_num_steps": 0}}', "config grpo.max_num_steps: is 0; use at least 1"),
         ('{"grpo": {"val_at_start": "no"}}', "config grpo.val_at_start: expected true or false, got the string 'no'"),
     ],
@@ -75,7 +84,9 @@ def test_a_missing_cfg_file_says_it_does_not_exist(pyflyte, tmp_path, monkeypatc
     code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", "nope.yaml")
     assert code == 2
     assert "Invalid value for '--cfg': config file 'nope.yaml': does not exist (looked for " in out
-    assert f"{tmp_path / 'nope.yaml'}); check the path (a relative path starts at the current folder)" in out.replace(" /", "/")
+    assert f"{tmp_path / 'nope.yaml'}); check the path (a relative path starts at the current folder)" in out.replace(
+        " /", "/"
+    )
     assert "Expecting value" not in out and "json object" not in out and "Traceback" not in out
 
 
@@ -111,11 +122,23 @@ _LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("name", "content", "problem"),
     [
         ("run.yaml", bytes(range(128, 256)), "is not a text file; give a YAML or JSON config file"),
-        ("run.yaml", "grpo: &a [*a]\n", "grpo[0] is an alias of 'grpo' inside 'grpo' itself (a structure that contains itself)"),
+        (
+            "run.yaml",
+            "grpo: &a [*a]\n",
+            "grpo[0] is an alias of 'grpo' inside 'grpo' itself (a structure that contains itself)",
+        ),
         ("run.yaml", _LAUGHS, "e expands to more than 100000 values (YAML aliases repeated inside one another)"),
         ("run.yaml", "[" * 5000 + "]" * 5000, "nests too deeply to read"),
-        ("run.yaml", "grpo:\n  max_num_steps: 2\n  max_num_steps: 3\n", "gives the key 'grpo.max_num_steps' twice (lines 2 and 3); keep one"),
-        ("run.json", '{"grpo": {"max_num_steps": 2, "max_num_steps": 3}}', "gives the key 'grpo.max_num_steps' twice; keep one"),
+        (
+            "run.yaml",
+            "grpo:\n  max_num_steps: 2\n  max_num_steps: 3\n",
+            "gives the key 'grpo.max_num_steps' twice (lines 2 and 3); keep one",
+        ),
+        (
+            "run.json",
+            '{"grpo": {"max_num_steps": 2, "max_num_steps": 3}}',
+            "gives the key 'grpo.max_num_steps' twice; keep one",
+        ),
     ],
     ids=["random-bytes", "alias-cycle", "alias-laughs", "deep-nesting", "duplicate-yaml-key", "duplicate-json-key"],
 )
@@ -137,7 +160,11 @@ def test_help_is_a_page_naming_the_sections_and_the_reference(pyflyte):
     assert len(raw.splitlines()) < 60, raw
     out = " ".join(raw.replace("│", " ").split())
     cfg_help = out[out.index("--cfg") : out.index("--inputs-file")]
-    assert "JSON OR FILE" in cfg_help and "Inline JSON" in cfg_help and "file:///abs/x.yaml, s3://bucket/x.yaml" in cfg_help
+    assert (
+        "JSON OR FILE" in cfg_help
+        and "Inline JSON" in cfg_help
+        and "file:///abs/x.yaml, s3://bucket/x.yaml" in cfg_help
+    )
     for section in (f.name for f in dataclasses.fields(RunConfig)):
         assert f" {section}: " in cfg_help, section
     assert "optim: AdamW, warmup, gradient clipping and batch sizes" in cfg_help
@@ -167,7 +194,13 @@ def test_help_of_the_real_command_is_short():
     import sys
 
     pyflyte = Path(sys.executable).with_name("pyflyte")
-    out = subprocess.run([str(pyflyte), "run", "workflows/grpo.py", "grpo", "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(pyflyte), "run", "workflows/grpo.py", "grpo", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert 20 < len(out.stdout.splitlines()) < 60 and "docs/config.md" in out.stdout
 
 
@@ -180,8 +213,14 @@ def test_from_json_errors_are_click_usage_errors_and_value_errors():
     with pytest.raises(click.BadParameter) as err:
         JsonParamType(RunConfig).convert('{"grpo": {"max_num_steps": "four"}}', None, None)
     assert isinstance(err.value, ValueError)
-    assert str(err.value) == "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted"
-    with pytest.raises(ValueError, match=r"^config: not valid JSON \(Expecting value: line 1 column 1 \(char 0\)\); write a JSON object"):
+    assert (
+        str(err.value)
+        == "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^config: not valid JSON \(Expecting value: line 1 column 1 \(char 0\)\); write a JSON object",
+    ):
         RunConfig.from_json("four")
 
 
@@ -207,7 +246,13 @@ def test_run_summary_prints_as_one_short_line():
     assert str(summary) == repr(summary) == expected
     assert "validation_accuracy=none" in str(dataclasses.replace(summary, validation_accuracy=-1.0))
     assert [f.name for f in dataclasses.fields(RunSummary)] == [
-        "run_id", "mlflow_run_id", "tracking_uri", "final_step", "last_checkpoint", "validation_accuracy", "metrics",
+        "run_id",
+        "mlflow_run_id",
+        "tracking_uri",
+        "final_step",
+        "last_checkpoint",
+        "validation_accuracy",
+        "metrics",
     ]
     assert summary.metrics["train/metric_59"] == 59.0  # the metrics stay on the object, out of the line
 
@@ -215,8 +260,14 @@ def test_run_summary_prints_as_one_short_line():
 # ---------------------------------------------------------------- flyte.yaml, flyte-sandbox.yaml
 
 _FLYTE_ENV = (
-    "FLYTECTL_CONFIG", "FLYTE_PLATFORM_URL", "FLYTE_PLATFORM_INSECURE", "FLYTE_PLATFORM_CONSOLE_ENDPOINT",
-    "FLYTE_CREDENTIALS_AUTH_MODE", "FLYTE_AWS_ENDPOINT", "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_SECRET_ACCESS_KEY",
+    "FLYTECTL_CONFIG",
+    "FLYTE_PLATFORM_URL",
+    "FLYTE_PLATFORM_INSECURE",
+    "FLYTE_PLATFORM_CONSOLE_ENDPOINT",
+    "FLYTE_CREDENTIALS_AUTH_MODE",
+    "FLYTE_AWS_ENDPOINT",
+    "FLYTE_AWS_ACCESS_KEY_ID",
+    "FLYTE_AWS_SECRET_ACCESS_KEY",
 )
 
 
@@ -234,7 +285,9 @@ def no_flyte_env(monkeypatch):
         ("flyte-sandbox.yaml", "localhost:30080", True, "http://localhost:30080", "http://localhost:30002", "minio"),
     ],
 )
-def test_flyte_config_files_parse_as_flytekit_reads_them(no_flyte_env, name, endpoint, insecure, console, s3_endpoint, s3_key):
+def test_flyte_config_files_parse_as_flytekit_reads_them(
+    no_flyte_env, name, endpoint, insecure, console, s3_endpoint, s3_key
+):
     from flytekit.configuration import Config
 
     cfg = Config.auto(config_file=str(ROOT / name))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import socket
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from flytekit.constants import CopyFileDetection
 from flytekit.image_spec.default_builder import create_docker_context
 from packaging.requirements import Requirement
@@ -31,8 +31,20 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGES = {"cpu": cpu_image, "rollout-gpu": rollout_gpu_image, "train-gpu": train_gpu_image}
 
 RUNTIME = [
-    "torch", "transformers", "tokenizers", "safetensors", "accelerate", "gguf", "flytekit", "mlflow", "tensordict",
-    "pyarrow", "numpy", "s3fs", "fsspec", "reasoning_gym",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "accelerate",
+    "gguf",
+    "flytekit",
+    "mlflow",
+    "tensordict",
+    "pyarrow",
+    "numpy",
+    "s3fs",
+    "fsspec",
+    "reasoning_gym",
 ]
 """Packages the project imports at runtime whose versions constraints.txt pins."""
 
@@ -176,7 +188,9 @@ def test_requirements_file_pins_equal_constraints(image, contexts):
     torch = Version(shared.pop("torch"))
     # torch: constraints.txt's version except in the rollout image, where vllm's pin rules (checked below)
     if image != "rollout-gpu":
-        assert torch.public == constraints["torch"], f"{image}: torch {torch}, constraints.txt has {constraints['torch']}"
+        assert torch.public == constraints["torch"], (
+            f"{image}: torch {torch}, constraints.txt has {constraints['torch']}"
+        )
     assert {name: constraints[name] for name in shared} == shared
 
 
@@ -185,8 +199,14 @@ def test_install_command_and_indexes(image, contexts):
     args = _install_args(contexts[image])
     if image == "cpu":
         # torch's CPU build from PyTorch's CPU index; every other pin from the best of both indexes
-        assert args == ["--extra-index-url", images.PYTORCH_CPU_INDEX, "--index-strategy", "unsafe-best-match",
-                        "--requirement", "requirements_uv.txt"]
+        assert args == [
+            "--extra-index-url",
+            images.PYTORCH_CPU_INDEX,
+            "--index-strategy",
+            "unsafe-best-match",
+            "--requirement",
+            "requirements_uv.txt",
+        ]
         assert images.PYTORCH_CPU_INDEX == "https://download.pytorch.org/whl/cpu"
         assert Version(TORCH_OF[image]).local == "cpu"  # a version only that index has: never PyPI's CUDA build
     else:
@@ -213,7 +233,9 @@ def test_rollout_image_torch_is_vllms_and_its_pins_satisfy_vllm(contexts):
     assert str(requires["torch"]) == f"=={pins['torch']}" == "==2.14.0"  # exactly vllm's pin
     assert images.VLLM_TORCH == "torch==2.14.0"
     for name, specifier in requires.items():
-        assert specifier.contains(pins[name]), f"vllm 0.33.0 requires {name}{specifier}, the rollout image pins {pins[name]}"
+        assert specifier.contains(pins[name]), (
+            f"vllm 0.33.0 requires {name}{specifier}, the rollout image pins {pins[name]}"
+        )
     assert "megatron-core" not in pins
 
 
@@ -225,7 +247,9 @@ def test_train_image_torch_and_python_satisfy_megatron_core(contexts):
     assert str(requires["torch"]) == ">=2.6.0"
     for name, specifier in requires.items():
         if pins.get(name) is not None:  # packaging is left to the resolver
-            assert specifier.contains(pins[name]), f"megatron-core 0.17.0 requires {name}{specifier}, the image pins {pins[name]}"
+            assert specifier.contains(pins[name]), (
+                f"megatron-core 0.17.0 requires {name}{specifier}, the image pins {pins[name]}"
+            )
     assert requires["torch"].contains(pins["torch"]) and pins["torch"] == "2.13.0"
     python = Version(train_gpu_image.python_version)
     for first, needs in PYTHON_REQUIRED["megatron-core"]:
@@ -260,7 +284,9 @@ def test_pyproject_ranges_admit_the_pinned_versions():
         req = Requirement(dep)
         name = canonicalize_name(req.name)
         if name in constraints:
-            assert req.specifier.contains(constraints[name]), f"pyproject's {dep!r} refuses constraints.txt's {constraints[name]}"
+            assert req.specifier.contains(constraints[name]), (
+                f"pyproject's {dep!r} refuses constraints.txt's {constraints[name]}"
+            )
     assert Requirement("torch==2.13.0").specifier.contains(constraints["torch"])
 
 

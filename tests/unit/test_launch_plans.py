@@ -60,7 +60,9 @@ def _describe(**env: str) -> dict:
     """Import workflows.launch_plans in a fresh interpreter with ``env`` (and none of ``ENV_KEYS`` otherwise)."""
     full = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
     full.update(env, GRPOFLOW_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", DESCRIBE], cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", DESCRIBE], cwd=ROOT, env=full, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("LAUNCH_PLANS=")]
     return json.loads(line.removeprefix("LAUNCH_PLANS="))
@@ -100,7 +102,9 @@ def _expected_cfg(path: Path, root: str, uri: str, *, env: bool = True) -> dict:
 def test_one_launch_plan_per_config(with_env):
     plans = with_env["configs"]
     assert sorted(plans) == [p.stem for p in CONFIGS]
-    assert {stem: plan["name"] for stem, plan in plans.items()} == {p.stem: f"grpo_{p.stem.replace('-', '_')}" for p in CONFIGS}
+    assert {stem: plan["name"] for stem, plan in plans.items()} == {
+        p.stem: f"grpo_{p.stem.replace('-', '_')}" for p in CONFIGS
+    }
     assert plans["learning_lr1e-5"]["name"] == "grpo_learning_lr1e_5"  # a Flyte name: no '-'
     for stem, plan in plans.items():
         assert plan["workflow"] == "workflows.grpo.grpo", stem
@@ -120,7 +124,14 @@ def test_config_defaults_take_the_environments_cluster_locations(with_env):
     # scheduled evaluation) sees the same runs
     cluster = plans["cluster"]["cfg"]
     assert (cluster["dataplane"]["root"], cluster["tracking"]["uri"]) == ("s3://b/runs", "http://mlflow:5000")
-    assert cluster["resources"]["train"] == {"image": "default", "gpu": 1, "accelerator": "nvidia-h100", "cpu": "8", "memory": "128Gi", "shared_memory": "16Gi"}
+    assert cluster["resources"]["train"] == {
+        "image": "default",
+        "gpu": 1,
+        "accelerator": "nvidia-h100",
+        "cpu": "8",
+        "memory": "128Gi",
+        "shared_memory": "16Gi",
+    }
     # no local path is left in any launch plan
     for stem, plan in plans.items():
         assert plan["cfg"]["dataplane"]["root"].startswith("s3://"), stem
@@ -130,7 +141,9 @@ def test_config_defaults_take_the_environments_cluster_locations(with_env):
 def test_failure_emails_to_every_address(with_env):
     plans = [*with_env["configs"].values(), with_env["evaluate_newest"]]
     for plan in plans:
-        assert plan["notifications"] == [{"phases": _failure_phases(), "emails": ["a@x.org", "b@x.org"], "slack": False, "pager_duty": False}], plan["name"]
+        assert plan["notifications"] == [
+            {"phases": _failure_phases(), "emails": ["a@x.org", "b@x.org"], "slack": False, "pager_duty": False}
+        ], plan["name"]
 
 
 def test_evaluate_newest_is_scheduled_every_six_hours(with_env):
@@ -149,7 +162,9 @@ def test_without_environment_defaults_apply_and_nobody_is_emailed(without_env):
     for path in CONFIGS:
         plan = without_env["configs"][path.stem]
         assert plan["notifications"] == [], path.name
-        assert plan["cfg"] == _expected_cfg(path, "s3://grpoflow/runs", "http://mlflow.mlflow.svc.cluster.local:5000", env=False), path.name
+        assert plan["cfg"] == _expected_cfg(
+            path, "s3://grpoflow/runs", "http://mlflow.mlflow.svc.cluster.local:5000", env=False
+        ), path.name
     assert without_env["configs"]["quick"]["cfg"]["dataplane"]["root"] == "s3://grpoflow/runs"
     evaluate = without_env["evaluate_newest"]
     assert evaluate["notifications"] == []

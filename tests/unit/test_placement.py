@@ -98,7 +98,14 @@ def test_registered_tasks_carry_their_class():
     from tasks.train import train
     from workflows.grpo import training_loop
 
-    expected = {rollout: rollout_gpu_image, evaluate: rollout_gpu_image, train: train_gpu_image, advantages: cpu_image, find_checkpoint: cpu_image, training_loop: cpu_image}
+    expected = {
+        rollout: rollout_gpu_image,
+        evaluate: rollout_gpu_image,
+        train: train_gpu_image,
+        advantages: cpu_image,
+        find_checkpoint: cpu_image,
+        training_loop: cpu_image,
+    }
     for task, image in expected.items():
         assert task.container_image is image, task.name
     assert train.resources.requests == Resources(cpu="2", mem="16Gi") == train.resources.limits
@@ -113,7 +120,13 @@ def test_every_task_has_a_role():
 
 
 def test_overrides_of_a_full_image_reference_outside_a_compilation():
-    cfg = run_config_from_dict({"resources": {"rollout": {"image": "ghcr.io/acme/x:1", "gpu": 2, "accelerator": "nvidia-l4", "memory": "32Gi"}}})
+    cfg = run_config_from_dict(
+        {
+            "resources": {
+                "rollout": {"image": "ghcr.io/acme/x:1", "gpu": 2, "accelerator": "nvidia-l4", "memory": "32Gi"}
+            }
+        }
+    )
     out = placement.overrides(cfg, "rollout")
     assert out["requests"] == out["limits"] == Resources(cpu="2", mem="32Gi", gpu=2)
     assert out["accelerator"].to_flyte_idl().device == "nvidia-l4"
@@ -145,7 +158,14 @@ def test_cluster_config_places_every_node():
     rollout = {"requests": {CPU: "8", MEM: "64Gi", GPU: "1"}, "accelerator": "nvidia-h100", "shared_memory": "16Gi"}
     train = {"requests": {CPU: "8", MEM: "128Gi", GPU: "1"}, "accelerator": "nvidia-h100", "shared_memory": "16Gi"}
     cpu = {"requests": {CPU: "2", MEM: "8Gi"}, "accelerator": None, "shared_memory": None}
-    expected = {"rollout": rollout, "validate": rollout, "reference-logprobs": train, "train": train, "advantages": cpu, "finish-run": cpu}
+    expected = {
+        "rollout": rollout,
+        "validate": rollout,
+        "reference-logprobs": train,
+        "train": train,
+        "advantages": cpu,
+        "finish-run": cpu,
+    }
     for node_id, node in nodes.items():
         task = re.sub(r"^(step-\d+|end)-", "", node_id)
         got = _placement(node)
@@ -176,12 +196,22 @@ def test_default_config_is_on_policy_without_policy_logprobs_nodes():
 
 
 def test_off_policy_config_has_a_policy_logprobs_node_per_step():
-    cfg = run_config_from_dict({"grpo": {"max_num_steps": 2, "val_period": 0}, "optim": {"train_global_batch_size": 32}, "resources": {"train": {"gpu": 2, "memory": "64Gi"}}})
+    cfg = run_config_from_dict(
+        {
+            "grpo": {"max_num_steps": 2, "val_period": 0},
+            "optim": {"train_global_batch_size": 32},
+            "resources": {"train": {"gpu": 2, "memory": "64Gi"}},
+        }
+    )
     assert cfg.samples_per_step == 64 and not cfg.on_policy
     spec, _ = _compile(cfg)
     ids = [n.id for n in spec.nodes]
     assert ids == [
-        *(f"step-{k}-{t}" for k in (1, 2) for t in ("rollout", "policy-logprobs", "reference-logprobs", "advantages", "train")),
+        *(
+            f"step-{k}-{t}"
+            for k in (1, 2)
+            for t in ("rollout", "policy-logprobs", "reference-logprobs", "advantages", "train")
+        ),
         "end-finish-run",
     ]
     node = _by_id(spec)["step-2-policy-logprobs"]
@@ -191,7 +221,13 @@ def test_off_policy_config_has_a_policy_logprobs_node_per_step():
 
 
 def test_image_reference_goes_on_train_class_nodes_only():
-    cfg = run_config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 1}, "optim": {"train_global_batch_size": 32}, "resources": {"train": {"image": "ghcr.io/acme/x:1"}}})
+    cfg = run_config_from_dict(
+        {
+            "grpo": {"max_num_steps": 1, "val_period": 1},
+            "optim": {"train_global_batch_size": 32},
+            "resources": {"train": {"image": "ghcr.io/acme/x:1"}},
+        }
+    )
     spec, _ = _compile(cfg)
     images = {n.id: _placement(n)["image"] for n in spec.nodes}
     assert images == {
@@ -209,10 +245,13 @@ def test_image_reference_goes_on_train_class_nodes_only():
 def registered_settings():
     """Serialization settings after serializing every entity: the ImageSpecs are registered in its image config,
     as in the serialized context a cluster hands the step loop's pod."""
-    import workflows.launch_plans  # noqa: F401 (registers every project entity)
     from flytekit.core.context_manager import FlyteEntities
 
-    ours = [e for e in FlyteEntities.entities if str(getattr(e, "instantiated_in", "")).startswith(("tasks.", "workflows."))]
+    import workflows.launch_plans  # noqa: F401 (registers every project entity)
+
+    ours = [
+        e for e in FlyteEntities.entities if str(getattr(e, "instantiated_in", "")).startswith(("tasks.", "workflows."))
+    ]
     ss = registration.settings()
     with pytest.MonkeyPatch.context() as mp, registration.fake_images():
         mp.setattr(FlyteEntities, "entities", ours)  # other test modules' entities are not this check's business
@@ -221,7 +260,16 @@ def registered_settings():
 
 
 def test_named_image_resolves_to_its_registered_name(registered_settings):
-    cfg = run_config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "resources": {"train": {"image": "cpu"}, "cpu": {"image": "rollout-gpu"}, "rollout": {"image": "rollout-gpu"}}})
+    cfg = run_config_from_dict(
+        {
+            "grpo": {"max_num_steps": 1, "val_period": 0},
+            "resources": {
+                "train": {"image": "cpu"},
+                "cpu": {"image": "rollout-gpu"},
+                "rollout": {"image": "rollout-gpu"},
+            },
+        }
+    )
     spec, _ = _compile(cfg, registered_settings)
     images = {n.id: _placement(n)["image"] for n in spec.nodes}
     assert cpu_image.image_name().startswith("grpoflow-cpu:")
@@ -235,9 +283,14 @@ def test_named_image_resolves_to_its_registered_name(registered_settings):
 
 
 def test_named_image_unknown_to_the_execution_is_refused():
-    cfg = run_config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "resources": {"train": {"image": "cpu"}}})
+    cfg = run_config_from_dict(
+        {"grpo": {"max_num_steps": 1, "val_period": 0}, "resources": {"train": {"image": "cpu"}}}
+    )
     ss = registration.settings()  # nothing serialized into it: no ImageSpec is known
-    with pytest.raises(ValueError, match=r"config resources.train.image: the 'cpu' image is not known to this execution .* use a full image reference"):
+    with pytest.raises(
+        ValueError,
+        match=r"config resources.train.image: the 'cpu' image is not known to this execution .* use a full image reference",
+    ):
         _compile(cfg, ss)
 
 
@@ -247,14 +300,35 @@ def test_named_image_unknown_to_the_execution_is_refused():
 @pytest.mark.parametrize(
     ("resources", "message"),
     [
-        ({"train": {"memory": "lots"}}, "config resources.train.memory: 'lots' is not a positive Kubernetes quantity; use e.g. '2', '500m', '16Gi'"),
-        ({"rollout": {"cpu": "0"}}, "config resources.rollout.cpu: '0' is not a positive Kubernetes quantity; use e.g. '2', '500m', '16Gi'"),
-        ({"cpu": {"shared_memory": "16GB"}}, "config resources.cpu.shared_memory: '16GB' is not a positive Kubernetes quantity; use e.g. '2', '500m', '16Gi'"),
-        ({"rollout": {"accelerator": "nvidia-h100"}}, "config resources.rollout.accelerator: 'nvidia-h100' is set but gpu is 0; set gpu >= 1 or accelerator: null"),
-        ({"train": {"gpu": 1, "accelerator": "NVIDIA H100"}}, "config resources.train.accelerator: 'NVIDIA H100' is not an accelerator name; use e.g. 'nvidia-h100' or 'nvidia-tesla-a100'"),
+        (
+            {"train": {"memory": "lots"}},
+            "config resources.train.memory: 'lots' is not a positive Kubernetes quantity; use e.g. '2', '500m', '16Gi'",
+        ),
+        (
+            {"rollout": {"cpu": "0"}},
+            "config resources.rollout.cpu: '0' is not a positive Kubernetes quantity; use e.g. '2', '500m', '16Gi'",
+        ),
+        (
+            {"cpu": {"shared_memory": "16GB"}},
+            "config resources.cpu.shared_memory: '16GB' is not a positive Kubernetes quantity; use e.g. '2', '500m', '16Gi'",
+        ),
+        (
+            {"rollout": {"accelerator": "nvidia-h100"}},
+            "config resources.rollout.accelerator: 'nvidia-h100' is set but gpu is 0; set gpu >= 1 or accelerator: null",
+        ),
+        (
+            {"train": {"gpu": 1, "accelerator": "NVIDIA H100"}},
+            "config resources.train.accelerator: 'NVIDIA H100' is not an accelerator name; use e.g. 'nvidia-h100' or 'nvidia-tesla-a100'",
+        ),
         ({"train": {"gpu": -1}}, "config resources.train.gpu: is -1; use 0 (CPU) or the number of GPUs per task"),
-        ({"cpu": {"image": "my image"}}, "config resources.cpu.image: 'my image' is neither an image name nor an image reference; use one of ['default', 'cpu', 'rollout-gpu', 'train-gpu'] or a reference such as 'ghcr.io/acme/grpoflow:v1'"),
-        ({"cpu": {"image": "gpu"}}, "config resources.cpu.image: 'gpu' is neither an image name nor an image reference"),
+        (
+            {"cpu": {"image": "my image"}},
+            "config resources.cpu.image: 'my image' is neither an image name nor an image reference; use one of ['default', 'cpu', 'rollout-gpu', 'train-gpu'] or a reference such as 'ghcr.io/acme/grpoflow:v1'",
+        ),
+        (
+            {"cpu": {"image": "gpu"}},
+            "config resources.cpu.image: 'gpu' is neither an image name nor an image reference",
+        ),
     ],
 )
 def test_resources_validation(resources, message):
@@ -269,8 +343,25 @@ def test_resources_unknown_key_names_its_section():
 
 
 def test_resources_valid_values_accepted():
-    cfg = run_config_from_dict({"resources": {"train": {"gpu": 8, "accelerator": "nvidia-tesla-a100", "cpu": "500m", "memory": "1.5Ti", "shared_memory": "64Gi", "image": "registry.local:5000/grpoflow"}}})
-    assert (cfg.resources.train.cpu, cfg.resources.train.memory, cfg.resources.train.image) == ("500m", "1.5Ti", "registry.local:5000/grpoflow")
+    cfg = run_config_from_dict(
+        {
+            "resources": {
+                "train": {
+                    "gpu": 8,
+                    "accelerator": "nvidia-tesla-a100",
+                    "cpu": "500m",
+                    "memory": "1.5Ti",
+                    "shared_memory": "64Gi",
+                    "image": "registry.local:5000/grpoflow",
+                }
+            }
+        }
+    )
+    assert (cfg.resources.train.cpu, cfg.resources.train.memory, cfg.resources.train.image) == (
+        "500m",
+        "1.5Ti",
+        "registry.local:5000/grpoflow",
+    )
 
 
 def test_model_tasks_of_several_nodes_are_pytorch_jobs_with_the_configs_ranks():
@@ -279,7 +370,11 @@ def test_model_tasks_of_several_nodes_are_pytorch_jobs_with_the_configs_ranks():
 
     before = train.task_config, reference_logprobs.task_config
     cfg = run_config_from_dict(
-        {"grpo": {"max_num_steps": 1, "val_period": 0}, "policy": {"nnodes": 2, "nproc_per_node": 4}, "resources": {"train": {"gpu": 4}}}
+        {
+            "grpo": {"max_num_steps": 1, "val_period": 0},
+            "policy": {"nnodes": 2, "nproc_per_node": 4},
+            "resources": {"train": {"gpu": 4}},
+        }
     )
     try:
         spec, _ = _compile(cfg)
@@ -287,7 +382,12 @@ def test_model_tasks_of_several_nodes_are_pytorch_jobs_with_the_configs_ranks():
         for name in ("tasks.train.train", "tasks.logprobs.reference_logprobs"):
             assert tasks[name].type == "pytorch", name  # a Kubeflow PyTorchJob
             elastic = tasks[name].custom["elasticConfig"]
-            assert (elastic["minReplicas"], elastic["maxReplicas"], elastic["nprocPerNode"], elastic["rdzvBackend"]) == (2, 2, 4, "c10d")
+            assert (
+                elastic["minReplicas"],
+                elastic["maxReplicas"],
+                elastic["nprocPerNode"],
+                elastic["rdzvBackend"],
+            ) == (2, 2, 4, "c10d")
             assert tasks[name].custom["workerReplicas"]["replicas"] == 2
         assert tasks["tasks.rollout.rollout"].type == "python-task"
         assert _placement(_by_id(spec)["step-1-train"])["requests"][GPU] == "4"  # one GPU per rank of a node
@@ -296,14 +396,24 @@ def test_model_tasks_of_several_nodes_are_pytorch_jobs_with_the_configs_ranks():
 
 
 def test_model_tasks_of_one_node_stay_plain_pods():
-    spec, _ = _compile(run_config_from_dict({"grpo": {"max_num_steps": 1, "val_period": 0}, "policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 4}}}))
+    spec, _ = _compile(
+        run_config_from_dict(
+            {
+                "grpo": {"max_num_steps": 1, "val_period": 0},
+                "policy": {"nproc_per_node": 4},
+                "resources": {"train": {"gpu": 4}},
+            }
+        )
+    )
     tasks = {t.id.name: t for t in spec.tasks}
     # one node: the ranks are processes of the task's pod, started by the task itself from the config it reads
     assert tasks["tasks.train.train"].type == "python-task"
 
 
 def test_ranks_per_node_need_a_gpu_each():
-    with pytest.raises(ValueError, match=r"config policy.nproc_per_node: is 4 but resources.train.gpu is 2; give each rank its own GPU"):
+    with pytest.raises(
+        ValueError, match=r"config policy.nproc_per_node: is 4 but resources.train.gpu is 2; give each rank its own GPU"
+    ):
         run_config_from_dict({"policy": {"nproc_per_node": 4}, "resources": {"train": {"gpu": 2}}})
     with pytest.raises(ValueError, match=r"config policy.nnodes: is 0; use 1 or more"):
         run_config_from_dict({"policy": {"nnodes": 0}})
@@ -314,7 +424,12 @@ def test_async_rollout_of_step_k_waits_only_for_the_policy_of_step_k_minus_1_min
     """The serialized step loop: each rollout node's ``policy`` input is bound to the train node a steps before the
     step's own input policy (the start policy, a literal, for the first a + 1 steps), and nothing else is upstream of
     it, so on a cluster rollout k runs beside the training of steps k - a .. k - 1."""
-    cfg = run_config_from_dict({"grpo": {"max_num_steps": 4, "val_period": 0, "max_trajectory_age_steps": age}, "loss": {"use_importance_sampling_correction": age > 0}})
+    cfg = run_config_from_dict(
+        {
+            "grpo": {"max_num_steps": 4, "val_period": 0, "max_trajectory_age_steps": age},
+            "loss": {"use_importance_sampling_correction": age > 0},
+        }
+    )
     spec, _ = _compile(cfg)
     nodes = _by_id(spec)
     for k in range(1, 5):
@@ -345,10 +460,19 @@ def test_k_steps_per_task_compile_to_one_train_class_node_per_k_steps(backend, r
         resources=dataclasses.replace(cfg.resources, steps_per_task=2),
     )
     spec, _ = _compile(cfg, registered_settings)
-    assert [n.id for n in spec.nodes] == ["steps-1-2-grpo-steps", "steps-3-4-grpo-steps", "steps-5-5-grpo-steps", "end-finish-run"]
+    assert [n.id for n in spec.nodes] == [
+        "steps-1-2-grpo-steps",
+        "steps-3-4-grpo-steps",
+        "steps-5-5-grpo-steps",
+        "end-finish-run",
+    ]
     assert {n.task_node.reference_id.name for n in spec.nodes[:3]} == {"workflows.grpo.grpo_steps"}
     got = _placement(spec.nodes[0])
-    assert got["requests"] == got["limits"] == {CPU: cfg.resources.train.cpu, MEM: cfg.resources.train.memory, GPU: str(cfg.resources.train.gpu)}
+    assert (
+        got["requests"]
+        == got["limits"]
+        == {CPU: cfg.resources.train.cpu, MEM: cfg.resources.train.memory, GPU: str(cfg.resources.train.gpu)}
+    )
     # vLLM is only in the rollout image (which also holds the transformers trainer); else the task's own train image
     expected = rollout_gpu_image.image_name() if backend == "vllm" else None
     assert {_placement(n)["image"] for n in spec.nodes[:3]} == {expected}

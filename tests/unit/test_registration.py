@@ -65,9 +65,9 @@ def project_entities(monkeypatch):
     """Flytekit's registry of entities, limited to the project's own (and restored after): other test modules'
     entities, and the sub-workflow an earlier compile of the step loop left there, are not the check's business,
     and an entity a test adds does not outlive it."""
-    import workflows.launch_plans  # noqa: F401 (registers every project entity)
     from flytekit.core.context_manager import FlyteEntities
 
+    import workflows.launch_plans  # noqa: F401 (registers every project entity)
     from workflows.registration import _declared_here as ours
 
     monkeypatch.setattr(FlyteEntities, "entities", [e for e in FlyteEntities.entities if ours(e)])
@@ -92,11 +92,16 @@ def test_a_compile_error_of_a_config_fails_the_check(project_entities, monkeypat
     from tasks import placement
     from workflows import registration
 
-    monkeypatch.setattr(registration, "shipped_configs", lambda: {"quick": load_run_config(str(ROOT / "configs" / "quick.yaml"))})
+    monkeypatch.setattr(
+        registration, "shipped_configs", lambda: {"quick": load_run_config(str(ROOT / "configs" / "quick.yaml"))}
+    )
     monkeypatch.delitem(placement.ROLE, "advantages")
     assert registration.main([]) == 1
     captured = capsys.readouterr()
-    assert "registration check FAILED: KeyError: \"task 'tasks.advantages.advantages' has no resource class: add it to tasks.placement.ROLE\"" in captured.err
+    assert (
+        "registration check FAILED: KeyError: \"task 'tasks.advantages.advantages' has no resource class: add it to tasks.placement.ROLE\""
+        in captured.err
+    )
     assert "tasks:" not in captured.out  # nothing listed as if it had passed
 
 
@@ -104,7 +109,8 @@ def test_an_entity_that_does_not_serialize_fails_the_check(project_entities, mon
     from workflows import registration
 
     module = "grpoflow_test_bad_entities"
-    (tmp_path / f"{module}.py").write_text(textwrap.dedent("""
+    (tmp_path / f"{module}.py").write_text(
+        textwrap.dedent("""
         from flytekit import task, workflow
 
         @task(container_image="{{.image.missing.fqn}}:{{.image.missing.version}}")
@@ -114,16 +120,22 @@ def test_an_entity_that_does_not_serialize_fails_the_check(project_entities, mon
         @workflow
         def uses_orphan(x: int = 1) -> int:
             return orphan(x=x)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registration, "MODULES", (*registration.MODULES, module))
-    monkeypatch.setattr(registration, "shipped_configs", lambda: pytest.fail("configs compiled after a failed serialization"))
+    monkeypatch.setattr(
+        registration, "shipped_configs", lambda: pytest.fail("configs compiled after a failed serialization")
+    )
     try:
         assert registration.main(["--out", str(tmp_path / "pb")]) == 1
     finally:
         sys.modules.pop(module, None)
     err = capsys.readouterr().err
-    assert "registration check FAILED: AssertionError: Image Config with name missing not found in the configuration" in err
+    assert (
+        "registration check FAILED: AssertionError: Image Config with name missing not found in the configuration"
+        in err
+    )
     assert not (tmp_path / "pb").exists()  # nothing written
 
 
@@ -131,17 +143,20 @@ def test_an_entity_that_does_not_serialize_fails_the_check(project_entities, mon
 def test_registration_module_serializes_every_entity_and_compiles_every_config(tmp_path):
     """The CI check itself, as a fresh process; it compiles each shipped config's step loop up to its first
     validation (every step compiles to the same nodes)."""
-    from workflows.registration import checked_steps
-
     from images.cpu import cpu_image
     from images.rollout_gpu import rollout_gpu_image
     from images.train_gpu import train_gpu_image
+    from workflows.registration import checked_steps
 
     out = tmp_path / "pb"
     env = {"GRPOFLOW_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "workflows.registration", "--out", str(out)],
-        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=1500,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     stdout = proc.stdout
@@ -151,9 +166,17 @@ def test_registration_module_serializes_every_entity_and_compiles_every_config(t
     configs = {"default": RunConfig(), **{p.stem: load_run_config(str(p)) for p in CONFIGS}}
     for name, cfg in configs.items():
         expected = _expected_nodes(checked_steps(cfg))
-        assert re.search(rf"^step loop of config '{re.escape(name)}' \(first steps\): {expected} nodes, \d+ tasks$", stdout, flags=re.M), name
+        assert re.search(
+            rf"^step loop of config '{re.escape(name)}' \(first steps\): {expected} nodes, \d+ tasks$",
+            stdout,
+            flags=re.M,
+        ), name
     (faked,) = re.findall(r"^images \(faked\): (.*)$", stdout, flags=re.M)
-    assert set(faked.split(", ")) == {cpu_image.image_name(), rollout_gpu_image.image_name(), train_gpu_image.image_name()}
+    assert set(faked.split(", ")) == {
+        cpu_image.image_name(),
+        rollout_gpu_image.image_name(),
+        train_gpu_image.image_name(),
+    }
     total = len(TASKS) + len(WORKFLOWS) + len(LAUNCH_PLANS)
     assert f"wrote {total} entities to {out}" in stdout
 

@@ -28,7 +28,9 @@ ENV312 = wh.target_env("3.12", "manylinux_2_28_x86_64")
 
 
 def test_have_lines_give_names_and_versions_without_local_labels():
-    have = wh.parse_have("# the image\ntorch==2.11.0+cu130\ntransformers==5.17.0  # pinned\nhuggingface_hub\n\nPyYAML\n")
+    have = wh.parse_have(
+        "# the image\ntorch==2.11.0+cu130\ntransformers==5.17.0  # pinned\nhuggingface_hub\n\nPyYAML\n"
+    )
     assert have == {"torch": "2.11.0", "transformers": "5.17.0", "huggingface-hub": None, "pyyaml": None}
 
 
@@ -47,31 +49,73 @@ def _resolved(spec: dict[str, list[str]]) -> dict:
 
 
 def test_the_selection_is_the_wanted_closure_less_the_target_closure_and_never_torch():
-    resolved = _resolved({
-        "megatron-core": ["torch>=2.6", "numpy", "packaging>=24.2", "wandb; extra == 'mlm'"],
-        "tensordict": ["torch", "cloudpickle", "pyvers<0.3", "typing_extensions; python_version < '3.11'"],
-        "reasoning-gym": ["cellpylib==2.4.0", "pyyaml", "zss"],
-        "cellpylib": ["matplotlib>=3", "numpy"],
-        "matplotlib": ["pillow", "python-dateutil", "numpy"],
-        "zss": ["six"],
-        "torch": ["filelock", "typing-extensions", "nvidia-cublas; platform_system == 'Linux'", "triton"],
-        "transformers": ["huggingface-hub", "packaging", "pyyaml"],
-        "huggingface-hub": ["filelock"],
-        "pandas": ["python-dateutil", "numpy"],
-        **{n: [] for n in ("numpy", "packaging", "cloudpickle", "pyvers", "pyyaml", "pillow", "python-dateutil", "six",
-                           "filelock", "typing-extensions", "nvidia-cublas", "triton", "wandb", "unrelated")},
-    })
+    resolved = _resolved(
+        {
+            "megatron-core": ["torch>=2.6", "numpy", "packaging>=24.2", "wandb; extra == 'mlm'"],
+            "tensordict": ["torch", "cloudpickle", "pyvers<0.3", "typing_extensions; python_version < '3.11'"],
+            "reasoning-gym": ["cellpylib==2.4.0", "pyyaml", "zss"],
+            "cellpylib": ["matplotlib>=3", "numpy"],
+            "matplotlib": ["pillow", "python-dateutil", "numpy"],
+            "zss": ["six"],
+            "torch": ["filelock", "typing-extensions", "nvidia-cublas; platform_system == 'Linux'", "triton"],
+            "transformers": ["huggingface-hub", "packaging", "pyyaml"],
+            "huggingface-hub": ["filelock"],
+            "pandas": ["python-dateutil", "numpy"],
+            **{
+                n: []
+                for n in (
+                    "numpy",
+                    "packaging",
+                    "cloudpickle",
+                    "pyvers",
+                    "pyyaml",
+                    "pillow",
+                    "python-dateutil",
+                    "six",
+                    "filelock",
+                    "typing-extensions",
+                    "nvidia-cublas",
+                    "triton",
+                    "wandb",
+                    "unrelated",
+                )
+            },
+        }
+    )
     have = {"torch": "2.11.0", "transformers": "5.17.0", "numpy": None, "pandas": None}
     want = {"megatron-core": set(), "tensordict": set(), "reasoning-gym": set()}
     sel = wh.select(resolved, want, have, ENV312)
-    assert [r.name for r in sel.keep] == ["cellpylib", "cloudpickle", "matplotlib", "megatron-core", "pillow", "pyvers", "reasoning-gym", "six", "tensordict", "zss"]
+    assert [r.name for r in sel.keep] == [
+        "cellpylib",
+        "cloudpickle",
+        "matplotlib",
+        "megatron-core",
+        "pillow",
+        "pyvers",
+        "reasoning-gym",
+        "six",
+        "tensordict",
+        "zss",
+    ]
     # needed, but on the target with torch, transformers and pandas (their dependencies included)
-    assert sel.have == ["filelock", "numpy", "nvidia-cublas", "packaging", "python-dateutil", "pyyaml", "torch", "triton", "typing-extensions"]
+    assert sel.have == [
+        "filelock",
+        "numpy",
+        "nvidia-cublas",
+        "packaging",
+        "python-dateutil",
+        "pyyaml",
+        "torch",
+        "triton",
+        "typing-extensions",
+    ]
     assert sel.never == [] and sel.missing == []
 
 
 def test_torch_and_cuda_wheels_are_never_selected_even_when_the_target_lacks_them():
-    resolved = _resolved({"a": ["torch", "nvidia-nccl-cu13", "triton", "b"], "torch": [], "nvidia-nccl-cu13": [], "triton": [], "b": []})
+    resolved = _resolved(
+        {"a": ["torch", "nvidia-nccl-cu13", "triton", "b"], "torch": [], "nvidia-nccl-cu13": [], "triton": [], "b": []}
+    )
     sel = wh.select(resolved, {"a": set()}, {}, ENV312)
     assert [r.name for r in sel.keep] == ["a", "b"]
     assert sel.never == ["nvidia-nccl-cu13", "torch", "triton"]
@@ -87,7 +131,12 @@ def test_a_dependency_the_target_python_needs_but_the_resolution_lacks_is_report
 
 @pytest.mark.parametrize("max_mb", [10, 25, 60])
 def test_parts_hold_at_most_n_mb_and_every_file_once(max_mb):
-    units = [(f"w{i}.whl", size) for i, size in enumerate([9_900_000, 7_140_000, 5_440_000, 1_730_000, 850_000, 3_520_000, 80_000, 10_000, 9_000_000])]
+    units = [
+        (f"w{i}.whl", size)
+        for i, size in enumerate(
+            [9_900_000, 7_140_000, 5_440_000, 1_730_000, 850_000, 3_520_000, 80_000, 10_000, 9_000_000]
+        )
+    ]
     parts, warnings = wh.split_parts(units, max_mb * wh.MB)
     assert warnings == []
     assert all(p.size <= max_mb * wh.MB for p in parts)
@@ -120,7 +169,9 @@ def _wheel(path: Path, files: dict[str, bytes]) -> Path:
 def test_a_wheel_built_here_must_be_pure_or_for_the_target_python_and_glibc(tmp_path):
     ok = dict(python="3.12", platform="manylinux_2_28_x86_64")
     assert wb.built_wheel_problem(_wheel(tmp_path / "cellpylib-2.4.0-py3-none-any.whl", {"x.py": b""}), **ok) is None
-    old = _wheel(tmp_path / "pycosat-0.6.6-cp312-cp312-linux_x86_64.whl", {"pycosat.so": b"\0GLIBC_2.2.5\0GLIBC_2.14\0"})
+    old = _wheel(
+        tmp_path / "pycosat-0.6.6-cp312-cp312-linux_x86_64.whl", {"pycosat.so": b"\0GLIBC_2.2.5\0GLIBC_2.14\0"}
+    )
     assert wb.glibc_needed(old) == (2, 14) and wb.built_wheel_problem(old, **ok) is None
     new = _wheel(tmp_path / "p-1-cp312-cp312-linux_x86_64.whl", {"p.cpython-312-x86_64-linux-gnu.so": b"GLIBC_2.34\0"})
     assert "glibc 2.34" in wb.built_wheel_problem(new, **ok)
@@ -135,13 +186,20 @@ def test_the_manifest_lists_every_file_and_verify_finds_a_damaged_or_missing_one
     (tmp_path / "part-2" / "b-1.0-py3-none-any.whl").write_bytes(b"b" * 50)
     (tmp_path / "part-1" / "tokenizer" / "tokenizer_config.json").write_text("{}")
     rows = wh.write_manifest(tmp_path, ["test"])
-    assert [r[0] for r in rows] == ["part-1/a-1.0-py3-none-any.whl", "part-1/tokenizer/tokenizer_config.json", "part-2/b-1.0-py3-none-any.whl"]
+    assert [r[0] for r in rows] == [
+        "part-1/a-1.0-py3-none-any.whl",
+        "part-1/tokenizer/tokenizer_config.json",
+        "part-2/b-1.0-py3-none-any.whl",
+    ]
     assert wh.read_manifest(tmp_path) == rows and wh.verify(tmp_path) == []
     assert [p.name for p in wh.wheels(tmp_path)] == ["a-1.0-py3-none-any.whl", "b-1.0-py3-none-any.whl"]
     assert wh.find_tokenizer(tmp_path) == tmp_path / "part-1" / "tokenizer"
     (tmp_path / "part-1" / "a-1.0-py3-none-any.whl").write_bytes(b"A" * 100)
     (tmp_path / "part-2" / "b-1.0-py3-none-any.whl").unlink()
-    assert wh.verify(tmp_path) == ["sha256: part-1/a-1.0-py3-none-any.whl differs from the manifest", "missing: part-2/b-1.0-py3-none-any.whl"]
+    assert wh.verify(tmp_path) == [
+        "sha256: part-1/a-1.0-py3-none-any.whl differs from the manifest",
+        "missing: part-2/b-1.0-py3-none-any.whl",
+    ]
 
 
 class FakePip:
@@ -166,17 +224,31 @@ class FakePip:
             built = {p.name.split("-")[0] for p in links.glob("*.whl")}
             todo = self.sdist_only - built
             if todo:
-                return subprocess.CompletedProcess(cmd, 1, "", f"ERROR: No matching distribution found for {sorted(todo)[0]}==2.4.0\n")
-            report = {"install": [{"metadata": {"name": n, "version": "1.0", "requires_dist": reqs},
-                                   "download_info": {"url": (links / f"{n}-1.0-py3-none-any.whl").as_uri() if n in self.sdist_only else f"https://x/{n}.whl"}}
-                                  for n, reqs in self.metadata.items()]}
+                return subprocess.CompletedProcess(
+                    cmd, 1, "", f"ERROR: No matching distribution found for {sorted(todo)[0]}==2.4.0\n"
+                )
+            report = {
+                "install": [
+                    {
+                        "metadata": {"name": n, "version": "1.0", "requires_dist": reqs},
+                        "download_info": {
+                            "url": (links / f"{n}-1.0-py3-none-any.whl").as_uri()
+                            if n in self.sdist_only
+                            else f"https://x/{n}.whl"
+                        },
+                    }
+                    for n, reqs in self.metadata.items()
+                ]
+            }
             Path(cmd[cmd.index("--report") + 1]).write_text(json.dumps(report))
         elif sub == "wheel":
             name = cmd[-1].split("==")[0]
-            _wheel(Path(cmd[cmd.index("-w") + 1]) / f"{name}-1.0-py3-none-any.whl", {f"{name}.py": b"x" * self.sizes[name]})
+            _wheel(
+                Path(cmd[cmd.index("-w") + 1]) / f"{name}-1.0-py3-none-any.whl", {f"{name}.py": b"x" * self.sizes[name]}
+            )
         elif sub == "download":
             dest = Path(cmd[cmd.index("-d") + 1])
-            for req in cmd[cmd.index("manylinux_2_28_x86_64"):]:
+            for req in cmd[cmd.index("manylinux_2_28_x86_64") :]:
                 if "==" in req:
                     name = req.split("==")[0]
                     (dest / f"{name}-1.0-py3-none-any.whl").write_bytes(b"w" * self.sizes[name])
@@ -185,8 +257,13 @@ class FakePip:
 
 def test_a_build_with_a_fake_pip_selects_builds_splits_and_lists(tmp_path, monkeypatch, capsys):
     metadata = {
-        "megatron-core": ["torch", "numpy"], "reasoning-gym": ["cellpylib==2.4.0", "pytz"], "cellpylib": ["numpy"],
-        "pytz": [], "torch": ["nvidia-cublas"], "nvidia-cublas": [], "numpy": [],
+        "megatron-core": ["torch", "numpy"],
+        "reasoning-gym": ["cellpylib==2.4.0", "pytz"],
+        "cellpylib": ["numpy"],
+        "pytz": [],
+        "torch": ["nvidia-cublas"],
+        "nvidia-cublas": [],
+        "numpy": [],
     }
     sizes = {"megatron-core": 1_700_000, "reasoning-gym": 7_000_000, "cellpylib": 40_000, "pytz": 500_000}
     fake = FakePip(metadata, sizes, {"cellpylib"})
@@ -195,29 +272,57 @@ def test_a_build_with_a_fake_pip_selects_builds_splits_and_lists(tmp_path, monke
     (tmp_path / "constraints.txt").write_text("torch==2.13.0\nreasoning_gym==0.1.25\n")
     out = tmp_path / "wh"
     (out / "part-9").mkdir(parents=True)  # left from an earlier build: removed
-    wb.main(["--out", str(out), "--have", str(tmp_path / "have.txt"), "--constraints", str(tmp_path / "constraints.txt"),
-             "--split-mb", "5", "--resolver-python", "py", "--tokenizer-python", "py", "megatron-core", "reasoning-gym"])
+    wb.main(
+        [
+            "--out",
+            str(out),
+            "--have",
+            str(tmp_path / "have.txt"),
+            "--constraints",
+            str(tmp_path / "constraints.txt"),
+            "--split-mb",
+            "5",
+            "--resolver-python",
+            "py",
+            "--tokenizer-python",
+            "py",
+            "megatron-core",
+            "reasoning-gym",
+        ]
+    )
     resolve = fake.calls[0]
     assert "torch==2.11.0" in resolve and "numpy" in resolve  # the target's packages resolved, to know their closure
     assert Path(resolve[resolve.index("-c") + 1]).name == "constraints.txt"
     assert any(c[c.index("pip") + 1] == "wheel" and c[-1] == "cellpylib==2.4.0" for c in fake.calls if "pip" in c)
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert sorted(f.split("/", 1)[1] for f in files if f != "MANIFEST.txt") == [
-        "cellpylib-1.0-py3-none-any.whl", "megatron-core-1.0-py3-none-any.whl", "pytz-1.0-py3-none-any.whl",
-        "reasoning-gym-1.0-py3-none-any.whl", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
+        "cellpylib-1.0-py3-none-any.whl",
+        "megatron-core-1.0-py3-none-any.whl",
+        "pytz-1.0-py3-none-any.whl",
+        "reasoning-gym-1.0-py3-none-any.whl",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
     ]
     assert not (out / "part-9").exists() and not (out / ".staging").exists()
     part_files = {part.name: sorted(p.name for p in part.rglob("*") if p.is_file()) for part in out.glob("part-*")}
     assert part_files == {  # 7 MB alone (with a warning), then first fit, largest first, in 5 MB
         "part-1": ["reasoning-gym-1.0-py3-none-any.whl"],
-        "part-2": ["cellpylib-1.0-py3-none-any.whl", "megatron-core-1.0-py3-none-any.whl", "tokenizer.json", "tokenizer_config.json"],
+        "part-2": [
+            "cellpylib-1.0-py3-none-any.whl",
+            "megatron-core-1.0-py3-none-any.whl",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ],
         "part-3": ["pytz-1.0-py3-none-any.whl"],
     }
     printed = capsys.readouterr()
     assert "reasoning-gym-1.0-py3-none-any.whl is 7.0 MB" in printed.err
     assert "total 12.2 MB: 4 wheels and the tokenizer, 6 files" in printed.out
     manifest = (out / "MANIFEST.txt").read_text()
-    assert "left out, the target has them: numpy nvidia-cublas torch" in manifest and "pins: reasoning_gym==0.1.25" in manifest
+    assert (
+        "left out, the target has them: numpy nvidia-cublas torch" in manifest
+        and "pins: reasoning_gym==0.1.25" in manifest
+    )
     assert wh.verify(out) == []
 
 

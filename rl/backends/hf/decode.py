@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from rl.backends.hf.lm_head import LMHead, lm_head
-from rl.backends.interfaces import Generated
 from rl.backends.hf.logprobs import hidden_states
+from rl.backends.interfaces import Generated
 from rl.precision import autocast, device_of, on_accelerator, to_device
 
 
@@ -126,14 +126,30 @@ def generate(
     g = _group_size(prompts)
     longest = max((len(p) for p in prompts), default=0) + max_new_tokens
     step = max(g, (batch_size or default_batch_size(model, longest)) // g * g)
-    out = Generated([], [], [], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), [])
+    out = Generated(
+        [],
+        [],
+        [],
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.bool),
+        [],
+    )
     p_lens, r_lens, trunc = [], [], []
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
-        sampling = {"temperature": temperature, "top_p": top_p, "greedy": greedy, "precision": precision, "generator": generator}
+        sampling = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "greedy": greedy,
+            "precision": precision,
+            "generator": generator,
+        }
         ends = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "max_new_tokens": max_new_tokens}
         if cuda_graphs and stored_in_compute_dtype(model, precision) and one_token_masks_apply(model, longest):
-            new, lp, lengths, finished = decode_static(model, chunk, **ends, **sampling, graph=device_of(model).type == "cuda")
+            new, lp, lengths, finished = decode_static(
+                model, chunk, **ends, **sampling, graph=device_of(model).type == "cuda"
+            )
         else:
             new, lp, lengths, finished = _decode(model, chunk, g, **ends, **sampling)  # host tensors
         ids, r_list = new.tolist(), lengths.tolist()
@@ -221,7 +237,9 @@ class Completions:
         self.lengths = torch.full((n,), t_max, dtype=torch.int64, device=device)  # [n]
         self.finished = torch.zeros(n, dtype=torch.bool, device=device)  # [n]
 
-    def record(self, rows: torch.Tensor, t: int, nxt: torch.Tensor, lp: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    def record(
+        self, rows: torch.Tensor, t: int, nxt: torch.Tensor, lp: torch.Tensor, live: torch.Tensor
+    ) -> torch.Tensor:
         """Store token ``t`` of ``rows`` (their draws ``nxt`` and logprobs ``lp``, [m] each) where ``live`` ([m] bool,
         still open); returns the new ``live``: without the rows that produced eos. No device sync."""
         self.tokens[rows, t] = torch.where(live, nxt, self.pad_id)
@@ -239,7 +257,13 @@ class Completions:
 
 
 def next_tokens(
-    head: LMHead, hidden: torch.Tensor, logits: torch.Tensor, *, temperature: float, top_p: float, greedy: bool,
+    head: LMHead,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_next` on ``logits`` ([m, V], from ``hidden`` [m, H]), with the sampled token's logprob made exact
@@ -283,7 +307,15 @@ def _decode(
     with torch.no_grad(), autocast(model, precision):
         cache = DynamicCache(config=model.config)
         if width > 1:  # all but the last prompt token, once per distinct prompt (the trunk only)
-            hidden_states(model, ids[:, :-1], attn[:, :-1], precision=precision, position_ids=pos[:, :-1], past_key_values=cache, use_cache=True)
+            hidden_states(
+                model,
+                ids[:, :-1],
+                attn[:, :-1],
+                precision=precision,
+                position_ids=pos[:, :-1],
+                past_key_values=cache,
+                use_cache=True,
+            )
             if g > 1:
                 cache.batch_repeat_interleave(g)
         rows = torch.arange(n, device=device)  # [m] rows in the batch, as indices into the chunk
@@ -294,9 +326,23 @@ def _decode(
         for t in range(t_max):
             step_mask = one_token_mask(model, mask[:, : width + t]) if own_mask else mask[:, : width + t]
             hidden = hidden_states(
-                model, cur, step_mask, precision=precision, position_ids=cur_pos, past_key_values=cache, use_cache=True,
+                model,
+                cur,
+                step_mask,
+                precision=precision,
+                position_ids=cur_pos,
+                past_key_values=cache,
+                use_cache=True,
             )[:, -1]  # [m, H]
-            nxt, lp = next_tokens(head, hidden, head.logits(hidden), temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
+            nxt, lp = next_tokens(
+                head,
+                hidden,
+                head.logits(hidden),
+                temperature=temperature,
+                top_p=top_p,
+                greedy=greedy,
+                generator=generator,
+            )
             live = out.record(rows, t, nxt, lp, live)
             if (t + 1) % check_every == 0:
                 left = int(live.sum())  # waits for the device

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rl.backends.interfaces import GenerationBackend, Generated, PolicyVersion
+from rl.backends.interfaces import Generated, GenerationBackend, PolicyVersion
 from rl.config import GRPOConfig
 from rl.precision import device_generator, device_of
 
@@ -75,7 +75,9 @@ class HFGeneration(GenerationBackend):
             dtype = self._dtype()
             so = self._cfg.dataplane.storage_options
             serving = "bfloat16" if dtype == torch.bfloat16 else None  # the checkpoint's bf16 copy where it has one
-            with local_folder(version.path, so, require_complete=version.step > 0, weights_only=True, dtype=serving) as folder:
+            with local_folder(
+                version.path, so, require_complete=version.step > 0, weights_only=True, dtype=serving
+            ) as folder:
                 self._model = load_model(folder, dtype=dtype)
         else:
             if self._model is None:

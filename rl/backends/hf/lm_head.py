@@ -144,4 +144,6 @@ def lm_head(model: torch.nn.Module, precision: str) -> LMHead:
             "are hidden @ W.T (Llama, Qwen, SmolLM, Mistral)"
         )
         raise ValueError(msg)
-    return LMHead(weight=head.weight, compute_dtype=torch.bfloat16 if runs_bf16(model, precision) else head.weight.dtype)
+    return LMHead(
+        weight=head.weight, compute_dtype=torch.bfloat16 if runs_bf16(model, precision) else head.weight.dtype
+    )

@@ -28,7 +28,9 @@ def hidden_states(
     device = device_of(model)
     with autocast(model, precision):
         return model.get_decoder()(
-            input_ids=input_ids.to(device), attention_mask=None if attention_mask is None else attention_mask.to(device), **kwargs
+            input_ids=input_ids.to(device),
+            attention_mask=None if attention_mask is None else attention_mask.to(device),
+            **kwargs,
         ).last_hidden_state
 
 
@@ -67,7 +69,9 @@ class ForwardPlan:
     def to(self, device: torch.device) -> ForwardPlan:
         """This plan's tensors on ``device`` (pinned, non-blocking copies: `rl.precision.to_device`)."""
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shape"}
-        return ForwardPlan(shape=self.shape, **{k: None if v is None else to_device(v, device) for k, v in moved.items()})
+        return ForwardPlan(
+            shape=self.shape, **{k: None if v is None else to_device(v, device) for k, v in moved.items()}
+        )
 
 
 SHARED_PREFIX_MIN_SAVING = {"cpu": 0.0, "cuda": 0.0}
@@ -78,7 +82,11 @@ otherwise one plain forward over the whole rows (one launch sequence, no KV-cach
 
 
 def plan_forward(
-    input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor | None = None, *, min_saving: float | None = 0.0
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    token_mask: torch.Tensor | None = None,
+    *,
+    min_saving: float | None = 0.0,
 ) -> ForwardPlan:
     """The :class:`ForwardPlan` of a right-padded micro-batch; vectorized host maths, no per-row Python.
 
@@ -132,9 +140,17 @@ def plan_forward(
     rows, cols = picked.nonzero(as_tuple=True)  # [T] each
     out_cols = positions[rows, cols] + 1  # [T]
     return ForwardPlan(
-        shape=(m, s), prefix_ids=prefix_ids, prefix_mask=prefix_mask, owner=owner, suffix_ids=suffix,
-        attention_mask=torch.cat([prefix_rows, live.long()], 1), positions=positions, rows=rows, cols=cols,
-        targets=input_ids[rows, out_cols], out_cols=out_cols,
+        shape=(m, s),
+        prefix_ids=prefix_ids,
+        prefix_mask=prefix_mask,
+        owner=owner,
+        suffix_ids=suffix,
+        attention_mask=torch.cat([prefix_rows, live.long()], 1),
+        positions=positions,
+        rows=rows,
+        cols=cols,
+        targets=input_ids[rows, out_cols],
+        out_cols=out_cols,
     )
 
 
@@ -177,7 +193,9 @@ def forward_logprobs(
 
     device = device_of(model)
     p = plan_forward(input_ids, input_lengths, token_mask, min_saving=SHARED_PREFIX_MIN_SAVING.get(device.type, 0.0))
-    unpadded = p.prefix_ids is None and bool((input_lengths == input_ids.shape[1]).all())  # host: whole rows, no padding
+    unpadded = p.prefix_ids is None and bool(
+        (input_lengths == input_ids.shape[1]).all()
+    )  # host: whole rows, no padding
     p = p.to(device)
     cache = None
     if p.prefix_ids is not None:  # encode each distinct prefix once, then give every row its prefix's KV cache
@@ -190,8 +208,13 @@ def forward_logprobs(
         cache.batch_select_indices(p.owner)
     # a plain forward over unpadded rows needs no mask: causal attention alone (SDPA's flash kernel on CUDA)
     hidden = hidden_states(
-        model, p.suffix_ids, None if unpadded else p.attention_mask, precision=precision, position_ids=p.positions,
-        past_key_values=cache, use_cache=cache is not None,
+        model,
+        p.suffix_ids,
+        None if unpadded else p.attention_mask,
+        precision=precision,
+        position_ids=p.positions,
+        past_key_values=cache,
+        use_cache=cache is not None,
     )  # [M, R, H]
     lp = lm_head(model, precision).token_logprobs(hidden[p.rows, p.cols], p.targets, temperature)  # [T]
     return lp.new_zeros(p.shape).index_put((p.rows, p.out_cols), lp)  # [M, S]

@@ -72,7 +72,9 @@ class HFPolicy(PolicyBackend):
         so = self._cfg.dataplane.storage_options
         if with_optimizer:
             checkpoint.require_trainer_state(version.path, version.step, so)
-        with checkpoint.local_folder(version.path, so, require_complete=version.step > 0, weights_only=not with_optimizer) as folder:
+        with checkpoint.local_folder(
+            version.path, so, require_complete=version.step > 0, weights_only=not with_optimizer
+        ) as folder:
             if self._model is None or self._version != version.step:
                 self._model = load_model(folder)
                 self._optimizer = self._scheduler = self._optimizer_version = None
@@ -119,13 +121,21 @@ class HFPolicy(PolicyBackend):
         from rl.precision import resolve
 
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        return torch.bfloat16 if device.type == "cuda" and resolve(self._cfg.model.precision, device) == "bfloat16" else torch.float32
+        return (
+            torch.bfloat16
+            if device.type == "cuda" and resolve(self._cfg.model.precision, device) == "bfloat16"
+            else torch.float32
+        )
 
-    def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+    def get_reference_policy_logprobs(
+        self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
         self.load_reference_policy()
         return self._logprobs(self._reference, batch, micro_batch_size)
 
-    def _logprobs(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None) -> torch.Tensor:
+    def _logprobs(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None
+    ) -> torch.Tensor:
         from rl.backends.engine import micro_batch_limits
         from rl.backends.hf.logprobs import batched_logprobs
         from rl.precision import device_of
@@ -144,7 +154,9 @@ class HFPolicy(PolicyBackend):
             temperature=self._cfg.generation.temperature,
         )  # [N, S]
 
-    def get_topk_logits(self, batch: Mapping[str, torch.Tensor], k: int, *, micro_batch_size: int | None = None) -> TopkLogits:
+    def get_topk_logits(
+        self, batch: Mapping[str, torch.Tensor], k: int, *, micro_batch_size: int | None = None
+    ) -> TopkLogits:
         """Top-k of the raw logits (no temperature) at every position that predicts a real token.
 
         The LM head runs in ``model.precision``; under bf16 its ``EXACT_TOP_K`` largest logits per position are
@@ -171,7 +183,9 @@ class HFPolicy(PolicyBackend):
                 rows = slice(a, min(a + mbs, n))
                 width = int(lengths[rows].max())
                 attn = (torch.arange(width)[None, :] < lengths[rows, None]).long()  # [m, W]
-                hidden = hidden_states(model, to_device(ids[rows, :width], device), to_device(attn, device), precision=precision)  # [m, W, H]
+                hidden = hidden_states(
+                    model, to_device(ids[rows, :width], device), to_device(attn, device), precision=precision
+                )  # [m, W, H]
                 live = torch.arange(width - 1)[None, :] < (lengths[rows, None] - 1)  # [m, W-1] predicts a real token
                 r, t = (to_device(x, device) for x in live.nonzero(as_tuple=True))  # [T] each
                 top = head.logits(hidden[r, t]).topk(k, -1)  # [T, k] each
@@ -192,7 +206,9 @@ class HFPolicy(PolicyBackend):
             self._model.eval()
             self._model.zero_grad(set_to_none=True)
 
-    def train(self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None) -> dict[str, float]:
+    def train(
+        self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None
+    ) -> dict[str, float]:
         from rl.backends.hf.train import train_on_batch
 
         if self._optimizer is None or self._optimizer_version != self._version:
@@ -200,7 +216,9 @@ class HFPolicy(PolicyBackend):
             raise RuntimeError(msg)
         assert self._version is not None
         try:
-            metrics = train_on_batch(self.model, self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes)
+            metrics = train_on_batch(
+                self.model, self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes
+            )
         except BaseException:
             # the weights may be half-updated: drop them, so nothing uses them as any version
             self._model = self._optimizer = self._scheduler = self._version = self._optimizer_version = None

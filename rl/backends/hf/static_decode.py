@@ -35,8 +35,17 @@ class OneTokenStep:
     """
 
     def __init__(
-        self, model: torch.nn.Module, head: LMHead, cache: object, *, ids: torch.Tensor, positions: torch.Tensor,
-        keep: torch.Tensor, write: int, precision: str, graph: bool,
+        self,
+        model: torch.nn.Module,
+        head: LMHead,
+        cache: object,
+        *,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        write: int,
+        precision: str,
+        graph: bool,
     ) -> None:
         self.model, self.head, self.cache, self.precision = model, head, cache, precision
         self.ids, self.positions, self.keep = ids.clone(), positions.clone(), keep.clone()
@@ -48,8 +57,13 @@ class OneTokenStep:
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.keep.index_fill_(1, self.write, True)  # each row attends to its new token
         hidden = hidden_states(
-            self.model, self.ids, one_token_mask(self.model, self.keep), precision=self.precision,
-            position_ids=self.positions, past_key_values=self.cache, use_cache=True,
+            self.model,
+            self.ids,
+            one_token_mask(self.model, self.keep),
+            precision=self.precision,
+            position_ids=self.positions,
+            past_key_values=self.cache,
+            use_cache=True,
         )[:, -1]  # [n, H]
         self.write.add_(1)
         self.positions.add_(1)
@@ -123,15 +137,33 @@ def decode_static(
     with torch.no_grad(), autocast(model, precision):
         cache = StaticCache(config=model.config, max_cache_len=width - 1 + t_max)
         if width > 1:  # all but the last prompt token of every row
-            hidden_states(model, ids[:, :-1], attn[:, :-1], precision=precision, position_ids=pos[:, :-1], past_key_values=cache, use_cache=True)
+            hidden_states(
+                model,
+                ids[:, :-1],
+                attn[:, :-1],
+                precision=precision,
+                position_ids=pos[:, :-1],
+                past_key_values=cache,
+                use_cache=True,
+            )
         step = OneTokenStep(
-            model, head, cache, ids=ids[:, -1:], positions=pos[:, -1:], keep=keep, write=width - 1, precision=precision, graph=graph,
+            model,
+            head,
+            cache,
+            ids=ids[:, -1:],
+            positions=pos[:, -1:],
+            keep=keep,
+            write=width - 1,
+            precision=precision,
+            graph=graph,
         )
         rows = torch.arange(n, device=device)  # [n]
         live = torch.ones(n, dtype=torch.bool, device=device)  # [n] rows still open
         for t in range(t_max):
             logits, hidden = step()
-            nxt, lp = next_tokens(head, hidden, logits, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
+            nxt, lp = next_tokens(
+                head, hidden, logits, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator
+            )
             live = out.record(rows, t, nxt, lp, live)
             if (t + 1) % SYNC_EVERY == 0 and not bool(live.any()):  # waits for the device
                 break

@@ -49,15 +49,21 @@ class HFTrainEngine(TrainEngine):
     def train_mode(self, on: bool) -> None:
         self.model.train(on)
 
-    def forward_backward(self, rows: Any, slices: Sequence[slice], loss_fn: LossFn) -> list[tuple[slice, MicroBatchLoss]]:
+    def forward_backward(
+        self, rows: Any, slices: Sequence[slice], loss_fn: LossFn
+    ) -> list[tuple[slice, MicroBatchLoss]]:
         out = []
         for where in slices:
             mb = rows[where]
             width = int(mb["input_lengths"].max())
             cut = mb.apply(lambda v: v[:, :width] if v.dim() == 2 else v)  # noqa: B023 (host; the loss copies its fields)
             logprobs = forward_logprobs(
-                self.model, cut["input_ids"], cut["input_lengths"], precision=self.cfg.model.precision,
-                temperature=self.cfg.generation.temperature, token_mask=cut["token_mask"],
+                self.model,
+                cut["input_ids"],
+                cut["input_lengths"],
+                precision=self.cfg.model.precision,
+                temperature=self.cfg.generation.temperature,
+                token_mask=cut["token_mask"],
             )  # [m, w] on the device
             fields = {k: to_device(cut[k], self.device) for k in LOSS_FIELDS if k in cut.keys()}
             result = loss_fn(logprobs, fields)
@@ -69,11 +75,20 @@ class HFTrainEngine(TrainEngine):
         from rl import distributed
 
         distributed.all_reduce_gradients(self.model.parameters())  # sum over ranks: the whole update's gradient
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).to(self.device)  # a host 0 without gradients
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).to(
+            self.device
+        )  # a host 0 without gradients
 
 
-def train_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batch: Mapping[str, torch.Tensor],
-                   cfg: GRPOConfig, *, update_sizes: Sequence[int] | None = None) -> dict[str, float]:
+def train_on_batch(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batch: Mapping[str, torch.Tensor],
+    cfg: GRPOConfig,
+    *,
+    update_sizes: Sequence[int] | None = None,
+) -> dict[str, float]:
     """:func:`rl.backends.engine.train_on_batch` on a Hugging Face model (:class:`HFTrainEngine`): same arguments,
     metrics and errors."""
     return _train(HFTrainEngine(model, cfg), optimizer, scheduler, batch, cfg, update_sizes=update_sizes)
@@ -110,7 +125,12 @@ def _embedding_grads_by_row(model: torch.nn.Module) -> Iterator[None]:
     On a GPU torch's own backward is kept: allocating the dense gradient is cheap there, and its sort-based kernel is
     deterministic where ``index_add_``'s atomics are not."""
     emb = model.get_input_embeddings()
-    if type(emb) is not torch.nn.Embedding or emb.max_norm is not None or emb.scale_grad_by_freq or on_accelerator(emb.weight.device):
+    if (
+        type(emb) is not torch.nn.Embedding
+        or emb.max_norm is not None
+        or emb.scale_grad_by_freq
+        or on_accelerator(emb.weight.device)
+    ):
         yield  # an embedding with its own semantics keeps torch's backward
         return
     emb.forward = lambda ids: _EmbeddingRows.apply(ids, emb.weight, emb.padding_idx)  # type: ignore[method-assign]

@@ -75,7 +75,15 @@ class LlamaLayout:
     """q, k and v projections have biases (Qwen2); the output projection and the MLP never do."""
 
     def __post_init__(self) -> None:
-        sizes = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "ffn_hidden_size", "vocab_size")
+        sizes = (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+            "vocab_size",
+        )
         for name in sizes:
             if getattr(self, name) < 1:
                 msg = f"LlamaLayout.{name} is {getattr(self, name)}; use 1 or more"
@@ -96,7 +104,10 @@ class LlamaLayout:
         if model_type not in SUPPORTED_MODEL_TYPES:
             msg = f"model: model_type {model_type!r} is not supported by the megatron back-end (only {', '.join(SUPPORTED_MODEL_TYPES)} are); use policy.backend 'transformers'"
             raise ValueError(msg)
-        for flag, what in (("attention_bias", "biases on q_proj, k_proj, v_proj and o_proj"), ("mlp_bias", "biases on the MLP projections")):
+        for flag, what in (
+            ("attention_bias", "biases on q_proj, k_proj, v_proj and o_proj"),
+            ("mlp_bias", "biases on the MLP projections"),
+        ):
             if getattr(config, flag, False):
                 msg = f"model: {flag}=True ({what}) is not supported by the megatron back-end (q/k/v biases alone are, as in Qwen2); use policy.backend 'transformers'"
                 raise ValueError(msg)
@@ -128,7 +139,9 @@ class LlamaLayout:
         return -(-self.vocab_size // multiple) * multiple
 
 
-def check_parallel_layout(layout: LlamaLayout, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
+def check_parallel_layout(
+    layout: LlamaLayout, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int
+) -> None:
     """Check that the model's shapes split evenly: tensor parallelism over attention heads, key-value heads and the MLP
     width, pipeline parallelism over the layers (equal stages).
 
@@ -140,7 +153,11 @@ def check_parallel_layout(layout: LlamaLayout, *, tensor_model_parallel_size: in
         if size < 1:
             msg = f"config policy.megatron_cfg.{key}: is {size}; use 1 or more"
             raise ValueError(msg)
-    splits = ((layout.num_attention_heads, "attention heads"), (layout.num_query_groups, "key-value heads"), (layout.ffn_hidden_size, "MLP channels"))
+    splits = (
+        (layout.num_attention_heads, "attention heads"),
+        (layout.num_query_groups, "key-value heads"),
+        (layout.ffn_hidden_size, "MLP channels"),
+    )
     for count, what in splits:
         if count % tp:
             ok = [t for t in _divisors(layout.num_query_groups) if all(n % t == 0 for n, _ in splits)]
@@ -165,7 +182,9 @@ def pipeline_stage_layers(num_layers: int, *, rank: int, size: int) -> range:
     return range(rank * per_stage, (rank + 1) * per_stage)
 
 
-def hf_to_megatron(hf: Mapping[str, Tensor], layout: LlamaLayout, *, padded_vocab_size: int | None = None, te_layernorm: bool = False) -> dict[str, Tensor]:
+def hf_to_megatron(
+    hf: Mapping[str, Tensor], layout: LlamaLayout, *, padded_vocab_size: int | None = None, te_layernorm: bool = False
+) -> dict[str, Tensor]:
     """The whole (unsharded) megatron state dict of an HF state dict, global layer numbering.
 
     ``padded_vocab_size`` (default ``layout.vocab_size``) rows of word embeddings and output layer, the rows past the
@@ -195,8 +214,12 @@ def hf_to_megatron(hf: Mapping[str, Tensor], layout: LlamaLayout, *, padded_voca
             mc[dst + mc_name] = hf[src + hf_name].clone()
         for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
             q, k, v = (hf[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv")
-            mc[f"{dst}self_attention.linear_qkv.{kind}"] = _fuse_qkv(q, k, v, layout)  # [(nq + 2 nkv) d, H] or [(nq + 2 nkv) d]
-        mc[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])  # [2F, H]
+            mc[f"{dst}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+                q, k, v, layout
+            )  # [(nq + 2 nkv) d, H] or [(nq + 2 nkv) d]
+        mc[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+        )  # [2F, H]
     mc[FINAL_LAYERNORM] = hf["model.norm.weight"].clone()
     if not layout.tie_word_embeddings:
         mc[OUTPUT_LAYER] = _pad_rows(hf["lm_head.weight"], rows)  # [V_pad, H]
@@ -210,7 +233,9 @@ def megatron_to_hf(mc: Mapping[str, Tensor], layout: LlamaLayout, *, te_layernor
     Raises:
         ValueError: missing or unknown keys (``_extra_state`` entries aside) or wrong shapes, named.
     """
-    rows = max(mc[EMBEDDING].shape[0], layout.vocab_size) if EMBEDDING in mc else layout.vocab_size  # V_pad (fewer rows: a shape error)
+    rows = (
+        max(mc[EMBEDDING].shape[0], layout.vocab_size) if EMBEDDING in mc else layout.vocab_size
+    )  # V_pad (fewer rows: a shape error)
     mc = _checked(mc, _megatron_shapes(layout, rows, te_layernorm), "megatron", ignore=_is_extra_state)
     hf = {"model.embed_tokens.weight": mc[EMBEDDING][: layout.vocab_size].clone()}  # [V, H]
     copied = _copied_layer_weights(te_layernorm)
@@ -218,7 +243,11 @@ def megatron_to_hf(mc: Mapping[str, Tensor], layout: LlamaLayout, *, te_layernor
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
             q, k, v = _split_qkv(mc[f"{src}self_attention.linear_qkv.{kind}"], layout)
-            hf |= {f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k, f"{dst}self_attn.v_proj.{kind}": v}
+            hf |= {
+                f"{dst}self_attn.q_proj.{kind}": q,
+                f"{dst}self_attn.k_proj.{kind}": k,
+                f"{dst}self_attn.v_proj.{kind}": v,
+            }
         gate, up = mc[src + "mlp.linear_fc1.weight"].chunk(2)  # [F, H] each
         hf |= {dst + "mlp.gate_proj.weight": gate.clone(), dst + "mlp.up_proj.weight": up.clone()}
         hf |= {dst + hf_name: mc[src + mc_name].clone() for hf_name, mc_name in copied.items()}
@@ -372,7 +401,11 @@ def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, layout: LlamaLayout) -> Tensor:
     """``linear_qkv`` of HF's q [nq d, ...], k [nkv d, ...] and v [nkv d, ...]: per query group g its query heads, k_g,
     v_g, i.e. [(nq + 2 nkv) d, ...] (trailing dims: H for weights, none for biases)."""
     g, rest = layout.num_query_groups, q.shape[1:]
-    grouped = [q.reshape(g, layout.heads_per_group * layout.head_dim, *rest), k.reshape(g, layout.head_dim, *rest), v.reshape(g, layout.head_dim, *rest)]
+    grouped = [
+        q.reshape(g, layout.heads_per_group * layout.head_dim, *rest),
+        k.reshape(g, layout.head_dim, *rest),
+        v.reshape(g, layout.head_dim, *rest),
+    ]
     return torch.cat(grouped, dim=1).reshape(-1, *rest)  # [g, (nq / g + 2) d, ...] -> [(nq + 2 nkv) d, ...]
 
 
@@ -393,8 +426,12 @@ def _copied_layer_weights(te_layernorm: bool) -> dict[str, str]:
     return {
         "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
         "mlp.down_proj.weight": "mlp.linear_fc2.weight",
-        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight" if te_layernorm else "input_layernorm.weight",
-        "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight" if te_layernorm else "pre_mlp_layernorm.weight",
+        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"
+        if te_layernorm
+        else "input_layernorm.weight",
+        "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"
+        if te_layernorm
+        else "pre_mlp_layernorm.weight",
     }
 
 
@@ -409,7 +446,12 @@ def _hf_shapes(layout: LlamaLayout) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}self_attn.{name}_proj.weight"] = (rows, h)
             if layout.qkv_bias:
                 shapes[f"{p}self_attn.{name}_proj.bias"] = (rows,)
-        shapes |= {p + "self_attn.o_proj.weight": (h, nq), p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+        shapes |= {
+            p + "self_attn.o_proj.weight": (h, nq),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        }
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
     shapes["model.norm.weight"] = (h,)
     if not layout.tie_word_embeddings:
@@ -439,7 +481,9 @@ def _megatron_shapes(layout: LlamaLayout, vocab_rows: int, te_layernorm: bool) -
     return shapes
 
 
-def _checked(sd: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]], what: str, *, ignore: Callable[[str], bool]) -> dict[str, Tensor]:
+def _checked(
+    sd: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]], what: str, *, ignore: Callable[[str], bool]
+) -> dict[str, Tensor]:
     """``sd`` without its ignored keys, once its keys and shapes are exactly ``shapes``'s (else a ValueError naming them)."""
     kept = {k: v for k, v in sd.items() if not ignore(k)}
     missing, unknown = [k for k in shapes if k not in kept], [k for k in kept if k not in shapes]

@@ -7,7 +7,6 @@ The weight mapping itself is `rl.backends.megatron.convert`; the model-parallel 
 from __future__ import annotations
 
 import functools
-
 import importlib.util
 import os
 import socket
@@ -99,7 +98,11 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return {"rotary_base": base, "rope_scaling": False}
-    if kind == "llama3" and (params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0), params.get("original_max_position_embeddings", 8192)) == (1.0, 4.0, 8192):
+    if kind == "llama3" and (
+        params.get("low_freq_factor", 1.0),
+        params.get("high_freq_factor", 4.0),
+        params.get("original_max_position_embeddings", 8192),
+    ) == (1.0, 4.0, 8192):
         return {"rotary_base": base, "rope_scaling": True, "rope_scaling_factor": params.get("factor", 8.0)}
     msg = f"model: RoPE {params} is not supported by the megatron back-end (plain RoPE and Llama 3's default scaling are); use policy.backend 'transformers'"
     raise ValueError(msg)
@@ -121,12 +124,21 @@ def check_model(hf_config: Any, mcfg: MegatronConfig) -> LlamaLayout:
         msg = f"model: hidden_act {act!r} is not supported by the megatron back-end (SwiGLU with silu is); use policy.backend 'transformers'"
         raise ValueError(msg)
     rope_settings(hf_config)
-    check_parallel_layout(layout, tensor_model_parallel_size=mcfg.tensor_model_parallel_size, pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size)
+    check_parallel_layout(
+        layout,
+        tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
+    )
     return layout
 
 
 def transformer_config(
-    layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig, *, compute_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = False
+    layout: LlamaLayout,
+    hf_config: Any,
+    mcfg: MegatronConfig,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: bool = False,
 ) -> Any:
     """megatron-core's ``TransformerConfig`` of the HF model: RMSNorm, SwiGLU (``gated_linear_unit`` with SiLU), no
     linear biases (q/k/v biases for Qwen2), grouped-query attention, no dropout, float32 parameters (bf16 compute comes
@@ -175,7 +187,12 @@ def transformer_config(
 
 
 def build_gpt_model(
-    layout: LlamaLayout, hf_config: Any, mcfg: MegatronConfig, *, device: str | torch.device = "cuda", compute_dtype: torch.dtype = torch.float32
+    layout: LlamaLayout,
+    hf_config: Any,
+    mcfg: MegatronConfig,
+    *,
+    device: str | torch.device = "cuda",
+    compute_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """This rank's stage of megatron-core's ``GPTModel`` (its tensor-parallel shard of its pipeline stage), with
     freshly initialised weights, in eval mode; load real ones with :func:`load_hf_state_dict`. Its LM head runs in
@@ -207,7 +224,9 @@ def build_gpt_model(
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()  # torch's fused attention
-    config = transformer_config(layout, hf_config, mcfg, compute_dtype=compute_dtype, use_cpu_initialization=torch.device(device).type == "cpu")
+    config = transformer_config(
+        layout, hf_config, mcfg, compute_dtype=compute_dtype, use_cpu_initialization=torch.device(device).type == "cpu"
+    )
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -238,15 +257,23 @@ def sdpa_attention_class() -> type:
     from megatron.core.transformer.enums import AttnMaskType
 
     class SDPAttention(DotProductAttention):
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):  # noqa: ANN001, ANN202
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):  # noqa: ANN001, ANN202
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             plain = (
-                attention_mask is None and attention_bias is None and packed_seq_params is None and mask_type == AttnMaskType.causal
-                and not (self.training and self.attention_dropout.p > 0) and not self.config.apply_query_key_layer_scaling
+                attention_mask is None
+                and attention_bias is None
+                and packed_seq_params is None
+                and mask_type == AttnMaskType.causal
+                and not (self.training and self.attention_dropout.p > 0)
+                and not self.config.apply_query_key_layer_scaling
                 and getattr(self.config, "window_size", None) is None
             )
             if not plain:
-                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+                return super().forward(
+                    query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+                )
             sq, b = query.shape[0], query.shape[1]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, head_dim]
             out = torch.nn.functional.scaled_dot_product_attention(
@@ -273,7 +300,9 @@ def selective_lm_head(layer: torch.nn.Module, compute_dtype: torch.dtype, *, seq
     def head(input_: torch.Tensor, weight: torch.Tensor | None = None, **kwargs: Any) -> Any:
         wanted = None if sequence_parallel else layer.wanted
         if wanted is None:
-            with torch.autocast(device_type=input_.device.type, dtype=torch.bfloat16, enabled=False):  # dtype given: never read from thread state
+            with torch.autocast(
+                device_type=input_.device.type, dtype=torch.bfloat16, enabled=False
+            ):  # dtype given: never read from thread state
                 return forward(input_.float(), weight=weight, **kwargs)
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -329,7 +358,9 @@ def uses_te_layernorm(model: torch.nn.Module) -> bool:
     return any(k.endswith("linear_qkv.layer_norm_weight") for k in model.state_dict())
 
 
-def load_hf_state_dict(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], layout: LlamaLayout, mcfg: MegatronConfig) -> None:
+def load_hf_state_dict(
+    model: torch.nn.Module, hf: Mapping[str, torch.Tensor], layout: LlamaLayout, mcfg: MegatronConfig
+) -> None:
     """Copy the whole model's HF weights into this rank's shard of ``model`` (converted, split by tensor-parallel rank and
     pipeline stage).
 
@@ -339,10 +370,17 @@ def load_hf_state_dict(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], l
     from megatron.core import parallel_state
 
     mc = hf_to_megatron(
-        hf, layout, padded_vocab_size=layout.padded_vocab_size(mcfg.make_vocab_size_divisible_by, mcfg.tensor_model_parallel_size), te_layernorm=uses_te_layernorm(model)
+        hf,
+        layout,
+        padded_vocab_size=layout.padded_vocab_size(mcfg.make_vocab_size_divisible_by, mcfg.tensor_model_parallel_size),
+        te_layernorm=uses_te_layernorm(model),
     )
-    mc = shard_tensor_parallel(mc, layout, rank=parallel_state.get_tensor_model_parallel_rank(), size=mcfg.tensor_model_parallel_size)
-    mc = split_pipeline_stage(mc, layout, rank=parallel_state.get_pipeline_model_parallel_rank(), size=mcfg.pipeline_model_parallel_size)
+    mc = shard_tensor_parallel(
+        mc, layout, rank=parallel_state.get_tensor_model_parallel_rank(), size=mcfg.tensor_model_parallel_size
+    )
+    mc = split_pipeline_stage(
+        mc, layout, rank=parallel_state.get_pipeline_model_parallel_rank(), size=mcfg.pipeline_model_parallel_size
+    )
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if set(own) != set(mc):
         msg = f"megatron weights do not fit the model: missing {sorted(set(own) - set(mc))}, unexpected {sorted(set(mc) - set(own))}"
@@ -384,7 +422,10 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
         mine = (rank, parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0)
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
-        _REPLICA_GROUP[world] = (dist.new_group([r for r, member in every if member], backend="gloo"), {r for r, member in every if member})
+        _REPLICA_GROUP[world] = (
+            dist.new_group([r for r, member in every if member], backend="gloo"),
+            {r for r, member in every if member},
+        )
     group, members = _REPLICA_GROUP[world]
     if rank not in members:
         return None
@@ -393,7 +434,9 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     return parts
 
 
-def gather_hf_state_dict(model: torch.nn.Module, layout: LlamaLayout, mcfg: MegatronConfig) -> dict[str, torch.Tensor] | None:
+def gather_hf_state_dict(
+    model: torch.nn.Module, layout: LlamaLayout, mcfg: MegatronConfig
+) -> dict[str, torch.Tensor] | None:
     """Collective: the whole model's weights under HF names, float32 on the CPU, on global rank 0 (None elsewhere).
 
     Each (tensor-parallel rank, pipeline stage) of replica 0 sends its shard to rank 0 (:func:`gather_to_rank0`), which
@@ -402,7 +445,11 @@ def gather_hf_state_dict(model: torch.nn.Module, layout: LlamaLayout, mcfg: Mega
     """
     from megatron.core import parallel_state
 
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(), local_shard(model))
+    mine = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        local_shard(model),
+    )
     parts = gather_to_rank0(mine)
     if parts is None:
         return None

@@ -53,10 +53,14 @@ def context_parallel_merge(parts: Sequence[torch.Tensor], *, dim: int = 1) -> to
     return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
 
 
-def padded_length(length: int, *, context_parallel_size: int, tensor_parallel_size: int, sequence_parallel: bool) -> int:
+def padded_length(
+    length: int, *, context_parallel_size: int, tensor_parallel_size: int, sequence_parallel: bool
+) -> int:
     """``length`` rounded up to what the split needs: a multiple of ``2 * context_parallel_size`` (when above 1), times
     ``tensor_parallel_size`` under sequence parallelism."""
-    multiple = (2 * context_parallel_size if context_parallel_size > 1 else 1) * (tensor_parallel_size if sequence_parallel else 1)
+    multiple = (2 * context_parallel_size if context_parallel_size > 1 else 1) * (
+        tensor_parallel_size if sequence_parallel else 1
+    )
     return -(-length // multiple) * multiple
 
 
@@ -72,7 +76,9 @@ def _vocab_slice(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> tuple[t
     return logits, start
 
 
-def vocab_parallel_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+def vocab_parallel_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
     """log softmax(logits / temperature)[target] over a vocabulary split across the tensor-parallel ranks, without
     gathering it: megatron-core's ``vocab_parallel_cross_entropy`` (two all-reduces of [..] maxima and sums), whose
     backward is the softmax minus the one-hot on each rank's slice.

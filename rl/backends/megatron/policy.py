@@ -99,11 +99,16 @@ class MegatronPolicy(PolicyBackend):
         from transformers import AutoModelForCausalLM
 
         from rl.backends.megatron.model import build_gpt_model, load_hf_state_dict
-
         from rl.precision import resolve
 
         bf16 = resolve(self._cfg.model.precision, self._device) == "bfloat16"
-        model = build_gpt_model(self._layout, self._hf_config, self._mcfg, device=self._device, compute_dtype=torch.bfloat16 if bf16 else torch.float32)
+        model = build_gpt_model(
+            self._layout,
+            self._hf_config,
+            self._mcfg,
+            device=self._device,
+            compute_dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
         from rl.model import model_construction
 
         with model_construction():  # transformers' loading switches process-wide state (rl.model.model_construction)
@@ -173,7 +178,9 @@ class MegatronPolicy(PolicyBackend):
         so = self._cfg.dataplane.storage_options
         if with_optimizer:
             checkpoint.require_trainer_state(version.path, version.step, so)
-        with checkpoint.local_folder(version.path, so, require_complete=version.step > 0, weights_only=not with_optimizer) as folder:
+        with checkpoint.local_folder(
+            version.path, so, require_complete=version.step > 0, weights_only=not with_optimizer
+        ) as folder:
             if self._model is None or self._version != version.step:
                 self._model = self._build(folder)
                 self._optimizer = self._scheduler = self._optimizer_version = self._gathered = None
@@ -207,7 +214,11 @@ class MegatronPolicy(PolicyBackend):
         """
         import torch.distributed as dist
 
-        stale = self._gathered is None or self._gathered[0] != self._version or (with_trainer_state and self._gathered[2] is None)
+        stale = (
+            self._gathered is None
+            or self._gathered[0] != self._version
+            or (with_trainer_state and self._gathered[2] is None)
+        )
         if stale and dist.get_world_size() == 1:
             self.prepare_checkpoint(with_trainer_state=with_trainer_state)
         elif stale:
@@ -308,13 +319,17 @@ class MegatronPolicy(PolicyBackend):
             forward_only=forward_only,
         )
 
-    def _logprobs(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None) -> torch.Tensor:
+    def _logprobs(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None
+    ) -> torch.Tensor:
         def on_logits(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
             lp = self._token_logprobs(logits, mb)  # [m, s]
             return lp.sum() * 0, {"logprobs": lp.detach()}
 
         with torch.no_grad():
-            outs = self._run(model, batch, self._slices(batch, micro_batch_size, train=False), on_logits, forward_only=True)
+            outs = self._run(
+                model, batch, self._slices(batch, micro_batch_size, train=False), on_logits, forward_only=True
+            )
         return self._assemble(batch, [o["logprobs"] for o in outs])
 
     def _token_logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -324,9 +339,13 @@ class MegatronPolicy(PolicyBackend):
 
         vocab, temperature = self._layout.vocab_size, self._cfg.generation.temperature
         if not mb.get("selected"):
-            return vocab_parallel_token_logprobs(logits, mb["targets"], vocab_size=vocab, temperature=temperature)  # [m, s]
+            return vocab_parallel_token_logprobs(
+                logits, mb["targets"], vocab_size=vocab, temperature=temperature
+            )  # [m, s]
         b, s = mb["wanted_b"], mb["wanted_s"]
-        lp = vocab_parallel_token_logprobs(logits[0], mb["targets"][b, s], vocab_size=vocab, temperature=temperature)  # [T]
+        lp = vocab_parallel_token_logprobs(
+            logits[0], mb["targets"][b, s], vocab_size=vocab, temperature=temperature
+        )  # [T]
         return lp.new_zeros(mb["targets"].shape).index_put((b, s), lp)  # [m, s]
 
     def _assemble(self, batch: Mapping[str, torch.Tensor], parts: list[torch.Tensor]) -> torch.Tensor:
@@ -348,12 +367,16 @@ class MegatronPolicy(PolicyBackend):
             self._reference = self._build(self._reference_path)
             self._reference.requires_grad_(False)
 
-    def get_reference_policy_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+    def get_reference_policy_logprobs(
+        self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
         self.load_reference_policy()
         assert self._reference is not None
         return self._logprobs(self._reference, batch, micro_batch_size)
 
-    def get_topk_logits(self, batch: Mapping[str, torch.Tensor], k: int, *, micro_batch_size: int | None = None) -> TopkLogits:
+    def get_topk_logits(
+        self, batch: Mapping[str, torch.Tensor], k: int, *, micro_batch_size: int | None = None
+    ) -> TopkLogits:
         """Top-k of the raw logits (no temperature) at every position that predicts a real token, over the whole
         vocabulary (each tensor-parallel rank's top-k, then the top-k of those)."""
         from rl.backends.megatron.parallel import vocab_parallel_topk
@@ -393,7 +416,9 @@ class MegatronPolicy(PolicyBackend):
             self._model.eval()
             self._model.zero_grad(set_to_none=True)
 
-    def train(self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None) -> dict[str, float]:
+    def train(
+        self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None
+    ) -> dict[str, float]:
         if self._optimizer is None or self._optimizer_version != self._version:
             msg = "train: no optimizer state for the held weights; call load_checkpoint(version, with_optimizer=True)"
             raise RuntimeError(msg)
@@ -402,7 +427,9 @@ class MegatronPolicy(PolicyBackend):
             metrics = self._train(batch, update_sizes)
         except BaseException:
             # the weights may be half-updated: drop them, so nothing uses them as any version
-            self._model = self._optimizer = self._scheduler = self._version = self._optimizer_version = self._gathered = None
+            self._model = self._optimizer = self._scheduler = self._version = self._optimizer_version = (
+                self._gathered
+            ) = None
             raise
         self._version += 1
         self._optimizer_version = self._version
@@ -414,7 +441,9 @@ class MegatronPolicy(PolicyBackend):
         from rl.backends.engine import train_on_batch
 
         assert self._optimizer is not None
-        return train_on_batch(MegatronTrainEngine(self), self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes)
+        return train_on_batch(
+            MegatronTrainEngine(self), self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes
+        )
 
     def _forward_backward(self, rows: Any, slices: Sequence[slice], loss_fn: Any) -> list[tuple[slice, Any]]:
         """:meth:`MegatronTrainEngine.forward_backward`: the micro-batches through megatron-core's schedule, the
@@ -431,7 +460,11 @@ class MegatronPolicy(PolicyBackend):
 
         def on_logits(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
             lp = self._token_logprobs(logits, mb)  # [m, s]
-            fields = {k: aligned(mb[k].float()) for k in (F.PREV_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS, F.GENERATION_LOGPROBS, F.ADVANTAGES) if k in mb}
+            fields = {
+                k: aligned(mb[k].float())
+                for k in (F.PREV_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS, F.GENERATION_LOGPROBS, F.ADVANTAGES)
+                if k in mb
+            }
             fields[F.TOKEN_MASK] = aligned(mb[F.TOKEN_MASK]).bool()
             fields[F.SAMPLE_MASK] = mb[F.SAMPLE_MASK]
             result = loss_fn(aligned(lp), fields)
@@ -442,11 +475,18 @@ class MegatronPolicy(PolicyBackend):
             return []
         pairs = [(where, o["result"]) for where, o in zip(slices, outs, strict=True)]
         if parallel_state.get_context_parallel_world_size() > 1:  # each rank saw part of every row: whole-row errors
-            prev = rows[F.PREV_LOGPROBS] if F.PREV_LOGPROBS in rows.keys() else self._assemble(rows, [o["logprobs"] for o in outs])
+            prev = (
+                rows[F.PREV_LOGPROBS]
+                if F.PREV_LOGPROBS in rows.keys()
+                else self._assemble(rows, [o["logprobs"] for o in outs])
+            )
             errors = seq_mult_prob_error(rows[F.GENERATION_LOGPROBS], prev, rows[F.TOKEN_MASK]).to(self._device)  # [n]
             pairs = [(w, MicroBatchLoss(loss=r.loss, sums=r.sums, errors=errors[w])) for w, r in pairs]
         n = [w.stop - w.start for w, _ in pairs]
-        return [(w, MicroBatchLoss(loss=r.loss, sums=r.sums, errors=r.errors[:k])) for (w, r), k in zip(pairs, n, strict=True)]  # padding rows out
+        return [
+            (w, MicroBatchLoss(loss=r.loss, sums=r.sums, errors=r.errors[:k]))
+            for (w, r), k in zip(pairs, n, strict=True)
+        ]  # padding rows out
 
     def _finish_gradients(self, max_norm: float) -> torch.Tensor:
         """After an update's last micro-batch: sum the gradients over the replicas and context-parallel ranks, the tied
@@ -463,11 +503,17 @@ class MegatronPolicy(PolicyBackend):
 
         model = self.model
         params = [p for p in model.parameters() if p.requires_grad]
-        distributed.all_reduce_gradients(params, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        distributed.all_reduce_gradients(
+            params, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
         untouched = [p for p in params if p.grad is None]  # no replica gave them a gradient
         for p in untouched:
             p.grad = torch.zeros_like(p)  # every rank takes part in the collectives below
-        if self._layout.tie_word_embeddings and self._mcfg.pipeline_model_parallel_size > 1 and parallel_state.is_rank_in_embedding_group():
+        if (
+            self._layout.tie_word_embeddings
+            and self._mcfg.pipeline_model_parallel_size > 1
+            and parallel_state.is_rank_in_embedding_group()
+        ):
             shared = model.shared_embedding_or_output_weight()
             dist.all_reduce(shared.grad, group=parallel_state.get_embedding_group())
         if self._mcfg.sequence_parallel:
@@ -507,7 +553,9 @@ class MegatronTrainEngine(TrainEngine):
     def micro_batches(self, rows: Any, cfg: GRPOConfig) -> list[slice]:
         return self.policy._slices(rows, None, train=True)
 
-    def forward_backward(self, rows: Any, slices: Sequence[slice], loss_fn: LossFn) -> list[tuple[slice, MicroBatchLoss]]:
+    def forward_backward(
+        self, rows: Any, slices: Sequence[slice], loss_fn: LossFn
+    ) -> list[tuple[slice, MicroBatchLoss]]:
         return self.policy._forward_backward(rows, slices, loss_fn)
 
     def finish_gradients(self, max_norm: float) -> torch.Tensor:
@@ -532,7 +580,9 @@ class MegatronTrainEngine(TrainEngine):
         self.policy.model.train(on)
 
 
-def _micro_batches(batch: Mapping[str, torch.Tensor], slices: Sequence[slice], mcfg: Any) -> list[dict[str, torch.Tensor]]:
+def _micro_batches(
+    batch: Mapping[str, torch.Tensor], slices: Sequence[slice], mcfg: Any
+) -> list[dict[str, torch.Tensor]]:
     """The rows ``batch[s]`` (``s`` in ``slices``) as micro-batches for megatron-core's schedule, on the CPU.
 
     Per-token fields become prediction-aligned (entry p belongs to the token at p + 1: ``targets`` are the next tokens,
@@ -553,7 +603,12 @@ def _micro_batches(batch: Mapping[str, torch.Tensor], slices: Sequence[slice], m
     fixed = mcfg.pipeline_model_parallel_size > 1
 
     def pad_to(length: int) -> int:
-        return padded_length(length, context_parallel_size=cp, tensor_parallel_size=mcfg.tensor_model_parallel_size, sequence_parallel=mcfg.sequence_parallel)
+        return padded_length(
+            length,
+            context_parallel_size=cp,
+            tensor_parallel_size=mcfg.tensor_model_parallel_size,
+            sequence_parallel=mcfg.sequence_parallel,
+        )
 
     whole = pad_to(int(lengths.max())) if n else 0
     size = max((r.stop - r.start for r in slices), default=0)
@@ -561,6 +616,7 @@ def _micro_batches(batch: Mapping[str, torch.Tensor], slices: Sequence[slice], m
     for rows in slices:
         width = whole if fixed else pad_to(int(lengths[rows].max()))
         m = size if fixed else rows.stop - rows.start
+
         def fit(x: torch.Tensor) -> torch.Tensor:  # [r, <= width] -> [m, width], zero-padded
             return torch.nn.functional.pad(x, (0, width - x.shape[1], 0, m - x.shape[0]))  # noqa: B023
 

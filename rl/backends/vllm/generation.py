@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rl.backends.interfaces import GenerationBackend, Generated, PolicyVersion
+from rl.backends.interfaces import Generated, GenerationBackend, PolicyVersion
 from rl.backends.vllm.settings import EnginePlan, engine_plan
 from rl.config import GRPOConfig
 
@@ -188,7 +188,9 @@ class VLLMGeneration(GenerationBackend):
         self._wake("weights")
         dtype = self._plan.dtype if self._plan is not None else None
         with _layers_left_unloaded() as unloaded:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _in_dtype(weights, dtype), "is_checkpoint_format": True})
+            self._llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": _in_dtype(weights, dtype), "is_checkpoint_format": True}
+            )
         self._wake()
         self._llm.reset_prefix_cache()
         stale = sorted(set(unloaded) - self._derived_layers)
@@ -245,13 +247,19 @@ class VLLMGeneration(GenerationBackend):
             )
             for b in range(len(prompts))
         ]
-        batches = waves(self.kv_tokens_needed(prompts, group_size), self.kv_cache_tokens()) if plan.waves else [list(range(len(prompts)))]
+        batches = (
+            waves(self.kv_tokens_needed(prompts, group_size), self.kv_cache_tokens())
+            if plan.waves
+            else [list(range(len(prompts)))]
+        )
         self._wake()
         outputs: list[Any] = []
         try:
             for batch in batches:
                 outputs += self._llm.generate(
-                    [TokensPrompt(prompt_token_ids=prompts[b]) for b in batch], [params[b] for b in batch], use_tqdm=False
+                    [TokensPrompt(prompt_token_ids=prompts[b]) for b in batch],
+                    [params[b] for b in batch],
+                    use_tqdm=False,
                 )
         finally:
             self._sleep()

@@ -189,7 +189,8 @@ def engine_plan(cfg: GRPOConfig, device: str, *, model_max_len: int, shares_gpu:
     engine |= {
         "enforce_eager": v.enforce_eager,
         "enable_chunked_prefill": True,
-        "gpu_memory_utilization": v.gpu_memory_utilization or (SHARED_GPU_MEMORY_UTILIZATION if shares_gpu else ALONE_GPU_MEMORY_UTILIZATION),
+        "gpu_memory_utilization": v.gpu_memory_utilization
+        or (SHARED_GPU_MEMORY_UTILIZATION if shares_gpu else ALONE_GPU_MEMORY_UTILIZATION),
         "enable_sleep_mode": shares_gpu,
     }
     return EnginePlan(device, engine, env, env_defaults, seeded=seeded, waves=False, sleeps=shares_gpu)

@@ -148,7 +148,9 @@ def test_bad_writes_raise_before_anything_is_written(dp):
     with pytest.raises(ValueError, match="3 rows for 2 sample ids"):
         dp.write_columns(meta, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(6), torch.tensor([2, 3, 1]))})
     with pytest.raises(ValueError, match="dtype float64 but the partition registered float32"):
-        dp.write_columns(meta, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(5, dtype=torch.float64), torch.tensor([2, 3]))})
+        dp.write_columns(
+            meta, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(5, dtype=torch.float64), torch.tensor([2, 3]))}
+        )
     with pytest.raises(ValueError, match="row lengths differ from input_lengths"):
         dp.write_columns(meta, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(5), torch.tensor([3, 2]))})
     with pytest.raises(ValueError, match="not a registered field"):
@@ -160,7 +162,10 @@ def test_bad_writes_raise_before_anything_is_written(dp):
     with pytest.raises(ValueError, match="row lengths differ from input_lengths"):  # lengths from the partition
         dp.write_columns(bare, {F.PREV_LOGPROBS: nested_from_values(torch.zeros(5), torch.tensor([3, 2]))})
     with pytest.raises(ValueError, match="trailing dims"):
-        dp.write_columns(meta, {F.PREV_LOGPROBS: torch.nested.nested_tensor([torch.zeros(2, 2), torch.zeros(3, 2)], layout=torch.jagged)})
+        dp.write_columns(
+            meta,
+            {F.PREV_LOGPROBS: torch.nested.nested_tensor([torch.zeros(2, 2), torch.zeros(3, 2)], layout=torch.jagged)},
+        )
     with pytest.raises(ValueError, match="never put"):
         dp.write_columns(type(meta)("step_000001", ["ghost_g0", "ghost_g1"]), {F.REWARDS: torch.zeros(2)})
     assert len(dp._commits(dp._part("step_000001"))) == before
@@ -187,7 +192,9 @@ def test_read_errors_name_partition_field_and_ids(dp):
         dp.read(meta, [F.REWARDS])
 
 
-@pytest.mark.parametrize("bad", ["..", "../x", "/abs", "a/b", "a\x00b", "", ".hidden", "x" * 201, "step_000001\n", "run-1\r\n"])
+@pytest.mark.parametrize(
+    "bad", ["..", "../x", "/abs", "a/b", "a\x00b", "", ".hidden", "x" * 201, "step_000001\n", "run-1\r\n"]
+)
 def test_names_cannot_escape_the_root(dp, bad):
     with pytest.raises(ValueError, match="invalid"):
         dp.register_partition(bad, fields=SCHEMA)
@@ -224,7 +231,10 @@ def test_a_malformed_or_stray_commit_record_is_skipped_by_name(dp):
     assert any(prev.rsplit("/", 1)[-1] in m and "not JSON" in m for m in messages)  # each record named, with why
     assert any("notes.json" in m and "missing or mistyped keys" in m for m in messages)
     assert out[F.REWARDS].tolist() == pytest.approx([0.0, 0.1])
-    with pytest.warns(DataPlaneWarning), pytest.raises(DataPlaneError, match=r"never written.*skipped malformed commit records"):
+    with (
+        pytest.warns(DataPlaneWarning),
+        pytest.raises(DataPlaneError, match=r"never written.*skipped malformed commit records"),
+    ):
         dp.read(meta, [F.PREV_LOGPROBS])
 
 
@@ -288,7 +298,11 @@ def test_garbage_collection_removes_orphans_and_temps_of_killed_writers(dp):
     dp.fs.pipe_file(f"{part}/data/{'0' * 32}-deadbeef.parquet", b"half a file")  # a writer killed before its commit
     dp.fs.pipe_file(f"{part}/_commits/{'0' * 32}.json.tmp-{'1' * 32}", b"{")  # killed before its rename
     ckpts = f"{part.rsplit('/', 1)[0]}/checkpoints"  # a checkpoint save killed mid-way, and one mid-swap
-    for folder, payload in ((f".step_000002.tmp-{'2' * 32}", b"half"), (f".step_000001.old-{'3' * 32}", b"old"), ("step_000001", b"kept")):
+    for folder, payload in (
+        (f".step_000002.tmp-{'2' * 32}", b"half"),
+        (f".step_000001.old-{'3' * 32}", b"old"),
+        ("step_000001", b"kept"),
+    ):
         if dp._local:
             dp.fs.makedirs(f"{ckpts}/{folder}", exist_ok=True)
         dp.fs.pipe_file(f"{ckpts}/{folder}/model.safetensors", payload)

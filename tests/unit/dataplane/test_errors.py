@@ -16,7 +16,9 @@ from dataplane.errors import DataPlaneError, IntegrityError, is_transient, retry
 def _client_error(code: str, status: int):
     from botocore.exceptions import ClientError
 
-    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    return ClientError(
+        {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+    )
 
 
 def _translated(err: BaseException) -> BaseException:
@@ -65,9 +67,11 @@ def test_transient_errors(tmp_path):
         _client_error("SlowDown", 503),
         _translated(_client_error("InternalError", 500)),
         _translated(_client_error("ServiceUnavailable", 503)),
-        _mlflow_error("API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/log-batch failed with exception "
-                      "HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded with url: ... (Caused by "
-                      "NewConnectionError('Failed to establish a new connection: [Errno 111] Connection refused'))"),
+        _mlflow_error(
+            "API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/log-batch failed with exception "
+            "HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded with url: ... (Caused by "
+            "NewConnectionError('Failed to establish a new connection: [Errno 111] Connection refused'))"
+        ),
     ]:
         assert is_transient(err), repr(err)
 

@@ -96,7 +96,10 @@ def op_columns(j: int, salt: int = 0) -> dict[str, Any]:
     lens = _lengths()
     vals = torch.randn(int(lens.sum()), generator=torch.Generator().manual_seed(1000 + j + 100_000 * salt))
     if is_put(j):
-        return {"p_val": nested_from_values(vals, lens), "p_txt": [f"{salt}/{op_name(j)} row {i} " + "x" * (i % 5) for i in range(N)]}
+        return {
+            "p_val": nested_from_values(vals, lens),
+            "p_txt": [f"{salt}/{op_name(j)} row {i} " + "x" * (i % 5) for i in range(N)],
+        }
     ints = torch.arange(N, dtype=torch.int64) * 7 + j * 1_000_003 + salt * 100_000_007
     return {f"d{j:03d}": nested_from_values(vals, lens), f"e{j:03d}": ints}
 
@@ -194,7 +197,9 @@ def _warm_up() -> None:
     # every botocore session (one per S3 client a worker makes) shares one loader, with the S3 model parsed here
     loader = botocore.loaders.create_loader()
     botocore.session.create_loader = lambda *args, **kwargs: loader
-    botocore.session.get_session().create_client("s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    botocore.session.get_session().create_client(
+        "s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
     with tempfile.TemporaryDirectory() as scratch:
         dp = DataPlane(scratch, RUN)
         dp.register_partition(PART, fields=SCHEMA)
@@ -335,7 +340,18 @@ def _do_op(dp: DataPlane, base: KVBatchMeta, j: int) -> KVBatchMeta:
     return dp.write_columns(base, op_columns(j, _salt(part)), task_name=op_name(j))
 
 
-def _kill_worker(index: int, barrier: Any, *, root: str, options: dict, part: str, start: int, trip_op: int, mode: str, base_ids: list[str]) -> None:
+def _kill_worker(
+    index: int,
+    barrier: Any,
+    *,
+    root: str,
+    options: dict,
+    part: str,
+    start: int,
+    trip_op: int,
+    mode: str,
+    base_ids: list[str],
+) -> None:
     """Write ``start``, ``start + 1``, ..., ``trip_op`` (saying ``begin j`` and ``done j ...`` around each); in a
     hooked ``mode``, stall in write ``trip_op`` at its kill point; in ``timing`` mode, write ``trip_op`` again and
     again (a retried task) until the parent kills us."""
@@ -414,7 +430,12 @@ class Zygote:
         code = "from tests.unit.dataplane.test_fault import zygote_main; zygote_main()"
         with open(self.err, "wb") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env
+                [sys.executable, "-c", code],
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=env,
             )
         self.pid = self.proc.pid
         self.buf = b""
@@ -442,7 +463,9 @@ class Zygote:
                 self.pending[int(pid)].append((now, text))
                 self.said[int(pid)].append(text)
 
-    def expect(self, pid: int, first_word: str, *, timeout: float, allow: tuple[str, ...] = ()) -> tuple[float, list[str]]:
+    def expect(
+        self, pid: int, first_word: str, *, timeout: float, allow: tuple[str, ...] = ()
+    ) -> tuple[float, list[str]]:
         """Consume ``pid``'s lines up to the first starting with ``first_word``; return (when it came, its words).
         A line starting with a word in ``allow`` is skipped; any other line fails the test."""
         deadline = time.monotonic() + timeout
@@ -668,7 +691,14 @@ def test_sigkill_during_writes(store, tmp_path, workers):
         trip_op = start + rng.choice((0, 0, 1, 2))
         delay = rng.random() * sorted(durations)[len(durations) // 2]  # timing mode: up to one typical write
         (pid,) = workers.fork(
-            "kill", root=root, options=options, part=p.base.partition_id, start=start, trip_op=trip_op, mode=mode, base_ids=p.base.sample_ids
+            "kill",
+            root=root,
+            options=options,
+            part=p.base.partition_id,
+            start=start,
+            trip_op=trip_op,
+            mode=mode,
+            base_ids=p.base.sample_ids,
         )
         if mode == "timing":
             while f"begin {trip_op}" not in workers.said[pid]:
@@ -687,11 +717,15 @@ def test_sigkill_during_writes(store, tmp_path, workers):
                 durations.append(float(dt))
         for j, ids in done.items():
             if ids is not None:
-                assert ids == p.put_ids[j], f"put {j} minted other ids than a retry of it would: {ids[:2]} vs {p.put_ids[j][:2]}"
+                assert ids == p.put_ids[j], (
+                    f"put {j} minted other ids than a retry of it would: {ids[:2]} vs {p.put_ids[j][:2]}"
+                )
         assert set(done) == set(range(start, in_flight + (in_flight in done))), (start, in_flight, sorted(done))
         if mode != "timing":
             assert in_flight == trip_op and in_flight not in done and any(s == f"tripped {mode}" for s in said), said
-        why = f"kill {kill} ({mode}, {p.base.partition_id} write {in_flight}, {'put' if is_put(in_flight) else 'delta'})"
+        why = (
+            f"kill {kill} ({mode}, {p.base.partition_id} write {in_flight}, {'put' if is_put(in_flight) else 'delta'})"
+        )
         # writes before in_flight all returned; in_flight may have committed in an earlier attempt, or (commit and
         # timing kills) in this one, never in a "data" or "between" kill; nothing committed is ever lost
         low = max(p.committed, in_flight + (in_flight in done))
@@ -707,12 +741,16 @@ def test_sigkill_during_writes(store, tmp_path, workers):
     assert sum(landed.values()) == KILLS_PER_STORE
     times = ", ".join(f"{k} {v:.1f} s" for k, v in spent.items())
     writes = sum(p.start for p in parts)
-    print(f"\n{root.split(':')[0]}: {KILLS_PER_STORE} kills, {writes} writes ({times}); where they landed: {dict(sorted(landed.items()))}")
+    print(
+        f"\n{root.split(':')[0]}: {KILLS_PER_STORE} kills, {writes} writes ({times}); where they landed: {dict(sorted(landed.items()))}"
+    )
 
     # a new client sees every partition as the checks after their last kills did
     fresh = DataPlane(root, RUN, storage_options=options)
     for p in parts:
-        assert _check_partition(fresh, p, p.in_flight, {p.committed}, f"{p.base.partition_id} at the end") == p.committed
+        assert (
+            _check_partition(fresh, p, p.in_flight, {p.committed}, f"{p.base.partition_id} at the end") == p.committed
+        )
     # and carries on: redo the interrupted write, read everything back (rows reversed), clear
     p = parts[-1]
     _do_op(fresh, p.base, p.start)
@@ -752,7 +790,9 @@ def test_concurrent_attempts_of_one_write(store, workers):
         ok = [s for p in pids for s in workers.said[p] if s.startswith(f"ok {trial} ")]
         assert len(ok) + len(failed) == 2, (trial, ok, failed)
         if trial % 2 == 0:  # the schedule was enforced (else the client no longer writes through the calls we wrap)
-            assert all(s.endswith(" aligned") for s in ok), f"trial {trial}: an attempt did not wait before its commit: {ok}"
+            assert all(s.endswith(" aligned") for s in ok), (
+                f"trial {trial}: an attempt did not wait before its commit: {ok}"
+            )
         if failed:
             problems.append(f"trial {trial} ({schedule}): an attempt failed: {failed[0]}")
             continue
@@ -760,7 +800,9 @@ def test_concurrent_attempts_of_one_write(store, workers):
         records = [r for r in _records(dp, part_dir) if "d000" in r["fields"]]
         missing = _missing_files(dp, part_dir, records)
         if len(records) != 1 or missing:
-            problems.append(f"trial {trial} ({schedule}): {len(records)} commit records of the write, naming missing files {missing}")
+            problems.append(
+                f"trial {trial} ({schedule}): {len(records)} commit records of the write, naming missing files {missing}"
+            )
             continue
         try:
             out = dp.read(KVBatchMeta(part, ids[part]), ["d000", "e000"], layout="jagged")
@@ -809,7 +851,10 @@ def test_s3_outage_mid_run(s3_server, s3_proxy, workers):
     part = direct._part(PART)
     records = _records(direct, part)
     assert not _missing_files(direct, part, records)
-    want = {**base_columns(), **{k: v for j in range(OUTAGE_OPS) if j % 5 not in (2, 4) for k, v in outage_columns(j).items()}}
+    want = {
+        **base_columns(),
+        **{k: v for j in range(OUTAGE_OPS) if j % 5 not in (2, 4) for k, v in outage_columns(j).items()},
+    }
     assert not _mismatches(direct.read(base, list(want), layout="jagged"), want)
     assert sum(r["task_name"].startswith("outage-put-") for r in records) == OUTAGE_OPS // 5
 
@@ -823,7 +868,10 @@ def test_is_transient_on_real_errors(s3_server, s3_proxy, tmp_path, monkeypatch)
     from dataplane.errors import IntegrityError, is_transient, retry_transient
 
     # no retries inside botocore or s3fs: each call fails at once
-    fast = {"endpoint_url": s3_proxy.url, "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"total_max_attempts": 1}}}
+    fast = {
+        "endpoint_url": s3_proxy.url,
+        "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"total_max_attempts": 1}},
+    }
     fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **fast)
     fs.retries = 1
     fs.pipe_file("grpoflow/transient/a", b"a")
@@ -835,10 +883,17 @@ def test_is_transient_on_real_errors(s3_server, s3_proxy, tmp_path, monkeypatch)
         assert time.monotonic() - t0 < 20
         return info.value
 
-    outages = {"down": s3_proxy.down, "reset on accept": s3_proxy.resetting, "reset mid-request": lambda: s3_proxy.resetting(on_request=True)}
+    outages = {
+        "down": s3_proxy.down,
+        "reset on accept": s3_proxy.resetting,
+        "reset mid-request": lambda: s3_proxy.resetting(on_request=True),
+    }
     for state, enter in outages.items():
         enter()
-        for what, fn in (("write", lambda: fs.pipe_file("grpoflow/transient/b", b"b")), ("read", lambda: fs.cat_file("grpoflow/transient/a"))):
+        for what, fn in (
+            ("write", lambda: fs.pipe_file("grpoflow/transient/b", b"b")),
+            ("read", lambda: fs.cat_file("grpoflow/transient/a")),
+        ):
             err = fail(fn)
             assert is_transient(err), f"{state}, {what}: {type(err).__name__}: {err} is not transient"
         s3_proxy.up()
@@ -865,7 +920,9 @@ def test_is_transient_on_real_errors(s3_server, s3_proxy, tmp_path, monkeypatch)
     fs.pipe_file("grpoflow/transient/corrupt.parquet", blob[: len(blob) // 2])  # cut short: no footer
     permanent = {
         "corrupt local Parquet": lambda: pq.read_table(bad),
-        "truncated Parquet on S3": lambda: pq.read_table(pa.BufferReader(fs.cat_file("grpoflow/transient/corrupt.parquet"))),
+        "truncated Parquet on S3": lambda: pq.read_table(
+            pa.BufferReader(fs.cat_file("grpoflow/transient/corrupt.parquet"))
+        ),
         "missing S3 object": lambda: fs.cat_file("grpoflow/transient/missing"),
         "missing local file": lambda: open(tmp_path / "missing", "rb"),  # noqa: SIM115
         "denied": lambda: _raise(PermissionError(errno.EACCES, "Permission denied", str(tmp_path))),
@@ -973,7 +1030,10 @@ def test_a_read_retries_a_connection_refused_mid_batch(s3_server, s3_proxy, monk
 
     import dataplane.errors
 
-    fast = {"endpoint_url": s3_proxy.url, "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"total_max_attempts": 1}}}
+    fast = {
+        "endpoint_url": s3_proxy.url,
+        "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"total_max_attempts": 1}},
+    }
     dp = DataPlane(f"s3://grpoflow/mid-batch-{random.randrange(1 << 30)}", RUN, storage_options=fast)
     dp.fs.retries = 1
     dp.register_partition(PART, fields=BASE)

@@ -107,7 +107,9 @@ def test_collection_between_upload_and_commit_keeps_the_write(dp, store, monkeyp
         meta = dp.put(PART, cols, group_size=2, id_key=f"window-{trial}")  # collected between its upload and commit
         lp = _logprobs(trial, LENGTHS)
         meta = dp.write_columns(meta, {F.PREV_LOGPROBS: lp})  # and this one
-        out = DataPlane(root, "run-gc", storage_options=options).read(meta, [F.INPUT_IDS, F.REWARDS, F.PREV_LOGPROBS], layout="jagged")
+        out = DataPlane(root, "run-gc", storage_options=options).read(
+            meta, [F.INPUT_IDS, F.REWARDS, F.PREV_LOGPROBS], layout="jagged"
+        )
         assert _same(out[F.INPUT_IDS], cols[F.INPUT_IDS]) and _same(out[F.REWARDS], cols[F.REWARDS]), f"trial {trial}"
         assert _same(out[F.PREV_LOGPROBS], lp), f"trial {trial}"
         assert not _dangling(dp, PART), f"trial {trial}: commit records name missing files"
@@ -185,7 +187,10 @@ def test_a_partition_cleared_during_a_collection(dp, store, monkeypatch):
         return real(self, part, partition_id, **kwargs)
 
     monkeypatch.setattr(DataPlane, "_snapshot", snapshot)
-    assert DataPlane(root, "run-gc", storage_options=options).collect_garbage(grace_s=0) == {"orphan_data_files": 1, "temp_files": 0}
+    assert DataPlane(root, "run-gc", storage_options=options).collect_garbage(grace_s=0) == {
+        "orphan_data_files": 1,
+        "temp_files": 0,
+    }
     monkeypatch.undo()
     assert not dp.fs.exists(stray) and not dp.exists("step_000002")
     assert dp.read(meta, [F.INPUT_LENGTHS])[F.INPUT_LENGTHS].tolist() == LENGTHS
@@ -242,12 +247,16 @@ def test_writers_beside_a_collector_in_a_loop(dp, store, monkeypatch):
                     w.register_partition(part, fields=SCHEMA)
                     metas = [with_retries(lambda part=part: w.put(part, _rows(index), group_size=2, id_key="base"))]
                 if k % 7 == 3:  # a writer killed after its upload: a file no commit will ever name
-                    w.fs.pipe_file(f"{w._part(part)}/data/{uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}.parquet", b"half a file")
+                    w.fs.pipe_file(
+                        f"{w._part(part)}/data/{uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}.parquet", b"half a file"
+                    )
                     counts[index]["strays"] += 1
                     continue
                 if k % 11 == 5:  # new rows
                     cols = _rows(1000 + i)
-                    meta = with_retries(lambda part=part, cols=cols, i=i: w.put(part, cols, group_size=2, id_key=f"put-{i}"))
+                    meta = with_retries(
+                        lambda part=part, cols=cols, i=i: w.put(part, cols, group_size=2, id_key=f"put-{i}")
+                    )
                     metas.append(meta)
                     got = w.read(meta, [F.INPUT_IDS], layout="jagged")[F.INPUT_IDS]
                     assert _same(got, cols[F.INPUT_IDS]), f"put {i} read back other rows"
@@ -290,7 +299,9 @@ def test_writers_beside_a_collector_in_a_loop(dp, store, monkeypatch):
     total = {key: counts[0][key] + counts[1][key] for key in counts[0]}
     assert sum(v for key, v in total.items() if key != "timeouts") == STRESS_WRITES, total
     removed_during = sum(r["orphan_data_files"] for _, r in passes[:during])
-    assert during >= 3 and removed_during > 0, f"the collector ran {during} passes, removed {removed_during} files beside the writers"
+    assert during >= 3 and removed_during > 0, (
+        f"the collector ran {during} passes, removed {removed_during} files beside the writers"
+    )
 
     # later: every write that returned reads back exactly, through a new client; every commit names a file that is there
     time.sleep(grace + (1.5 if s3 else 0.2))
@@ -301,7 +312,9 @@ def test_writers_beside_a_collector_in_a_loop(dp, store, monkeypatch):
         assert not _dangling(final, p), f"{p}: commit records name missing files"
         named = {f"{final._part(p)}/{c['file']}" for c in final._commits(final._part(p))}
         on_disk = set(final.fs.glob(f"{final._part(p)}/data/*.parquet"))
-        assert on_disk == {final.fs._strip_protocol(x) for x in named}, f"{p}: orphans older than the grace period remain"
+        assert on_disk == {final.fs._strip_protocol(x) for x in named}, (
+            f"{p}: orphans older than the grace period remain"
+        )
     by_rows: dict[tuple[str, tuple[str, ...]], list[tuple[str, object, torch.Tensor]]] = {}  # one read per rows
     for (p, name), (meta, values) in sorted(expected.items(), key=lambda kv: kv[0]):
         field = F.INPUT_IDS if name.startswith("put-") else name

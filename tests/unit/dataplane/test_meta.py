@@ -7,7 +7,12 @@ from dataplane.sharding import shard_meta_for_dp
 
 
 def _meta(n=6):
-    return KVBatchMeta("step_000001", [f"u{i // 2}_g{i % 2}" for i in range(n)], fields=["input_ids"], sequence_lengths=[10, 3, 7, 7, 1, 20][:n])
+    return KVBatchMeta(
+        "step_000001",
+        [f"u{i // 2}_g{i % 2}" for i in range(n)],
+        fields=["input_ids"],
+        sequence_lengths=[10, 3, 7, 7, 1, 20][:n],
+    )
 
 
 def test_transforms_keep_rows_aligned():

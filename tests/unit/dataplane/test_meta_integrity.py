@@ -74,13 +74,19 @@ def test_a_per_token_write_under_an_altered_meta_is_checked_against_the_stored_l
         dp.read(meta, [F.REFERENCE_POLICY_LOGPROBS])
     dp.write_columns(stripped, {F.REFERENCE_POLICY_LOGPROBS: _per_token(LENGTHS)})  # the right lengths: fine
     out = dp.read(meta, [F.INPUT_IDS, F.REFERENCE_POLICY_LOGPROBS], layout="jagged")
-    assert out[F.INPUT_IDS].offsets().diff().tolist() == out[F.REFERENCE_POLICY_LOGPROBS].offsets().diff().tolist() == LENGTHS
+    assert (
+        out[F.INPUT_IDS].offsets().diff().tolist()
+        == out[F.REFERENCE_POLICY_LOGPROBS].offsets().diff().tolist()
+        == LENGTHS
+    )
 
 
 def test_an_altered_meta_is_refused_even_with_well_formed_rows(dp):
     meta = dp.put(PART, _rows(0), group_size=2)
     altered = dataclasses.replace(meta, sequence_lengths=[4, 4, 5, 6])
-    with pytest.raises(ValueError, match=r"sequence_lengths differ from the input_lengths its put stored at rows \[0\].*altered"):
+    with pytest.raises(
+        ValueError, match=r"sequence_lengths differ from the input_lengths its put stored at rows \[0\].*altered"
+    ):
         dp.write_columns(altered, {F.PREV_LOGPROBS: _per_token(LENGTHS)})
     with pytest.raises(ValueError, match="the meta was altered"):
         dp.read(altered, [F.INPUT_IDS])
@@ -118,7 +124,9 @@ def test_a_meta_from_before_a_clear_and_re_put_fails_clearly(dp):
     new = dp.put(PART, new_rows, group_size=2, id_key="rollout")
     assert new.sample_ids == old.sample_ids  # same ids (same id_key): only the meta's put tells them apart
     for stale in (old, old.subset([2, 0]), shard_meta_for_dp(old, dp_world=2)[0][1]):
-        with pytest.raises(StaleMetaError, match="stale meta.*put again with other content.*use the meta that the latest put returned"):
+        with pytest.raises(
+            StaleMetaError, match="stale meta.*put again with other content.*use the meta that the latest put returned"
+        ):
             dp.read(stale, [F.INPUT_IDS])
     assert new.puts != old.puts
     with pytest.raises(StaleMetaError):
@@ -150,7 +158,9 @@ def test_metas_of_several_puts_and_hand_made_metas(dp):
     delta = dp.write_columns(both, {F.PREV_LOGPROBS: _per_token(LENGTHS * 2)})
     assert delta.puts == both.puts and delta.join(both).puts == both.puts
     by_hand = KVBatchMeta(PART, both.sample_ids)  # names no put: not checked (metas from before this field)
-    assert dp.read(by_hand, [F.PREV_LOGPROBS], layout="jagged")[F.PREV_LOGPROBS].offsets().diff().tolist() == LENGTHS * 2
+    assert (
+        dp.read(by_hand, [F.PREV_LOGPROBS], layout="jagged")[F.PREV_LOGPROBS].offsets().diff().tolist() == LENGTHS * 2
+    )
     assert a.concat(by_hand.slice(4, 8)).puts is None
     with pytest.raises(ValueError, match="puts must be a list of strings"):
         KVBatchMeta(PART, ["x_g0"], puts="abc")  # type: ignore[arg-type]
@@ -173,6 +183,9 @@ def test_a_meta_with_puts_crosses_flyte():
 
     ctx = FlyteContextManager.current_context()
     lt = TypeEngine.to_literal_type(KVBatchMeta)
-    for meta in (KVBatchMeta(PART, ["a_g0", "a_g1"], sequence_lengths=[3, 4], puts=["0" * 32 + ":deadbeef"]), KVBatchMeta(PART, ["a_g0"])):
+    for meta in (
+        KVBatchMeta(PART, ["a_g0", "a_g1"], sequence_lengths=[3, 4], puts=["0" * 32 + ":deadbeef"]),
+        KVBatchMeta(PART, ["a_g0"]),
+    ):
         back = TypeEngine.to_python_value(ctx, TypeEngine.to_literal(ctx, meta, KVBatchMeta, lt), KVBatchMeta)
         assert back == meta

@@ -70,7 +70,10 @@ def test_check_root_refuses_a_non_string():
         ("https://host/x?token=abc", "https://host/x?token=***"),
         ("https://host/x?sas=sv2024sig&sp=r", "https://host/x?sas=***&sp=r"),
         # a URL quoted in a message ends at the quote or a space: the rest of the message stays
-        ("'s3://b/r?X-Amz-Signature=abc' has a query or fragment ('?' or '#'), drop it", "'s3://b/r?X-Amz-Signature=***' has a query or fragment ('?' or '#'), drop it"),
+        (
+            "'s3://b/r?X-Amz-Signature=abc' has a query or fragment ('?' or '#'), drop it",
+            "'s3://b/r?X-Amz-Signature=***' has a query or fragment ('?' or '#'), drop it",
+        ),
         ("'http://host:5000' is down; mail admin@corp.com", "'http://host:5000' is down; mail admin@corp.com"),
         ("'http://u:p@host' and 'http://v@h2'", "'http://***@host' and 'http://***@h2'"),
         # nothing to hide
@@ -87,9 +90,32 @@ def test_redact_hides_userinfo_and_secret_query_values(url, redacted):
 
 @pytest.mark.parametrize(
     "name",
-    ["key", "secret", "token", "password", "passwd", "pwd", "auth", "headers", "credential", "credentials",
-     "session", "session_token", "aws_access_key_id", "aws_secret_access_key", "AccessKeyId", "apiKey", "Authorization",
-     "connection_string", "ConnectionString", "conn_str", "sas", "sas_token", "creds", "account_key"],
+    [
+        "key",
+        "secret",
+        "token",
+        "password",
+        "passwd",
+        "pwd",
+        "auth",
+        "headers",
+        "credential",
+        "credentials",
+        "session",
+        "session_token",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "AccessKeyId",
+        "apiKey",
+        "Authorization",
+        "connection_string",
+        "ConnectionString",
+        "conn_str",
+        "sas",
+        "sas_token",
+        "creds",
+        "account_key",
+    ],
 )
 def test_secret_names(name):
     assert is_secret_key(name)
@@ -97,9 +123,24 @@ def test_secret_names(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["endpoint_url", "anon", "client_kwargs", "region_name", "use_ssl", "requester_pays", "config_kwargs",
-     "signature_version", "SSEKMSKeyId", "s3_additional_kwargs", "default_block_size", "use_listings_cache",
-     "account_name", "container_name", "consistency", "sasquatch_mode"],
+    [
+        "endpoint_url",
+        "anon",
+        "client_kwargs",
+        "region_name",
+        "use_ssl",
+        "requester_pays",
+        "config_kwargs",
+        "signature_version",
+        "SSEKMSKeyId",
+        "s3_additional_kwargs",
+        "default_block_size",
+        "use_listings_cache",
+        "account_name",
+        "container_name",
+        "consistency",
+        "sasquatch_mode",
+    ],
 )
 def test_non_secret_names(name):
     assert not is_secret_key(name)

@@ -6,7 +6,13 @@ from fractions import Fraction
 import pytest
 import torch
 
-from rl.advantages import advantages_for_step, baseline_and_std, compute_advantages, overlong_penalty, reinforce_plus_plus_advantages
+from rl.advantages import (
+    advantages_for_step,
+    baseline_and_std,
+    compute_advantages,
+    overlong_penalty,
+    reinforce_plus_plus_advantages,
+)
 
 
 def _loop_reference(rewards, mask, g, loo, normalize, clip=None, eps=1e-6):
@@ -74,7 +80,9 @@ def test_vectorized_matches_loop(loo, normalize, clip):
     g = 5
     rewards = torch.rand(40, generator=gen, dtype=torch.float64).round(decimals=1)
     mask = torch.rand(40, generator=gen) > 0.2
-    adv, _, _ = compute_advantages(rewards, mask, group_size=g, leave_one_out=loo, normalize_rewards=normalize, advantage_clip=clip)
+    adv, _, _ = compute_advantages(
+        rewards, mask, group_size=g, leave_one_out=loo, normalize_rewards=normalize, advantage_clip=clip
+    )
     ref = _loop_reference(rewards.tolist(), mask.tolist(), g, loo, normalize, clip)
     if clip is not None:
         assert adv.abs().max() == pytest.approx(clip)  # the clip binds on this data
@@ -83,7 +91,9 @@ def test_vectorized_matches_loop(loo, normalize, clip):
 
 def test_mean_baseline_advantages_sum_to_zero_per_group():
     rewards = torch.rand(32, dtype=torch.float64)
-    adv, _, _ = compute_advantages(rewards, torch.ones(32, dtype=torch.bool), group_size=8, leave_one_out=False, normalize_rewards=False)
+    adv, _, _ = compute_advantages(
+        rewards, torch.ones(32, dtype=torch.bool), group_size=8, leave_one_out=False, normalize_rewards=False
+    )
     assert adv.view(4, 8).sum(1).abs().max() < 1e-12
 
 
@@ -141,8 +151,16 @@ def test_equal_partial_credit_sweep_is_exact(dtype, loo):
         for i, (want, exact) in enumerate(_exact_advantages(stored, g, loo, Fraction(1e-6))):
             got = adv[i].item()
             if exact:
-                rounded = torch.tensor(float(want), dtype=torch.float64).to(dtype).item()  # the exact value, rounded once
-                assert got == rounded and std[i].item() == 0.0, (g, [float(x) for x in exact_values], i, got, float(want))
+                rounded = (
+                    torch.tensor(float(want), dtype=torch.float64).to(dtype).item()
+                )  # the exact value, rounded once
+                assert got == rounded and std[i].item() == 0.0, (
+                    g,
+                    [float(x) for x in exact_values],
+                    i,
+                    got,
+                    float(want),
+                )
                 checked += 1
             else:
                 assert got == pytest.approx(float(want), rel=2e-5 if dtype == torch.float32 else 1e-12), (g, i)
@@ -170,11 +188,15 @@ def test_binary_rewards_give_the_same_advantages_as_before_bit_for_bit():
         w = v[:, None, :].expand(-1, 8, -1).clone() * ((1 - torch.eye(8))[None] if loo else 1)
         count = w.sum(-1)
         mean = (w * r[:, None, :]).sum(-1) / count.clamp(min=1)
-        std = torch.where(count > 1, ((w * (r[:, None, :] - mean[..., None]) ** 2).sum(-1) / (count - 1).clamp(min=1)).sqrt(), 0.0)
+        std = torch.where(
+            count > 1, ((w * (r[:, None, :] - mean[..., None]) ** 2).sum(-1) / (count - 1).clamp(min=1)).sqrt(), 0.0
+        )
         degenerate = (v.sum(-1, keepdim=True) <= 1) | (count < 1)
         base = torch.where(degenerate, r, mean)
         std = torch.where(degenerate, 0.0, std)
-        old = torch.where(std > 0, (r - base) / (std + 1e-6), r - base).reshape(-1) * mask.float()  # the code before the rule
+        old = (
+            torch.where(std > 0, (r - base) / (std + 1e-6), r - base).reshape(-1) * mask.float()
+        )  # the code before the rule
         assert torch.equal(adv, old)
 
 
@@ -183,14 +205,20 @@ def test_reinforce_plus_plus_hand_computed():
     # groups [1, 0] and [1, 1] (G = 2), 2 response tokens each: a = r - group mean = [0.5, -0.5, 0, 0]
     # token-weighted batch mean 0, variance (2 * 0.25 * 2) / 8 = 0.125: A = a / sqrt(0.125) = [1.41421, -1.41421, 0, 0]
     r = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
-    adv, base, std = reinforce_plus_plus_advantages(r, torch.ones(4, dtype=torch.bool), torch.tensor([2, 2, 2, 2]), group_size=2)
+    adv, base, std = reinforce_plus_plus_advantages(
+        r, torch.ones(4, dtype=torch.bool), torch.tensor([2, 2, 2, 2]), group_size=2
+    )
     assert adv.tolist() == pytest.approx([math.sqrt(2), -math.sqrt(2), 0.0, 0.0])
     assert base.tolist() == [0.5, 0.5, 1.0, 1.0] and std.tolist() == pytest.approx([math.sqrt(0.125)] * 4)
     # longer responses weigh more: lengths [3, 1, 1, 1]: mean (1.5 - 0.5) / 6 = 1/6, A_0 = (0.5 - 1/6) / sqrt(var)
-    adv, _, _ = reinforce_plus_plus_advantages(r, torch.ones(4, dtype=torch.bool), torch.tensor([3, 1, 1, 1]), group_size=2)
+    adv, _, _ = reinforce_plus_plus_advantages(
+        r, torch.ones(4, dtype=torch.bool), torch.tensor([3, 1, 1, 1]), group_size=2
+    )
     mu = 1 / 6
     var = (3 * (0.5 - mu) ** 2 + (-0.5 - mu) ** 2 + 2 * mu**2) / 6
-    assert adv.tolist() == pytest.approx([(0.5 - mu) / math.sqrt(var), (-0.5 - mu) / math.sqrt(var), -mu / math.sqrt(var), -mu / math.sqrt(var)])
+    assert adv.tolist() == pytest.approx(
+        [(0.5 - mu) / math.sqrt(var), (-0.5 - mu) / math.sqrt(var), -mu / math.sqrt(var), -mu / math.sqrt(var)]
+    )
 
 
 def test_reinforce_plus_plus_matches_a_loop_and_skips_invalid_samples():
@@ -228,10 +256,24 @@ def test_the_step_applies_shaping_then_the_chosen_estimator():
     assert step.overlong_penalty.tolist() == [-1.0, 0.0, 0.0, 0.0]  # the first response used the whole budget
     assert torch.equal(step.advantages, compute_advantages(torch.tensor([0.0, 1.0, 0.0, 0.0]), mask, group_size=4)[0])
     plain = advantages_for_step(r, mask, lengths, config_from_dict({"grpo": {"num_generations_per_prompt": 4}}))
-    assert torch.equal(plain.overlong_penalty, torch.zeros(4)) and torch.equal(plain.advantages, compute_advantages(r, mask, group_size=4)[0])
-    rpp = advantages_for_step(r, mask, lengths, config_from_dict({"grpo": {"num_generations_per_prompt": 4, "adv_estimator": "reinforce_plus_plus"}}))
+    assert torch.equal(plain.overlong_penalty, torch.zeros(4)) and torch.equal(
+        plain.advantages, compute_advantages(r, mask, group_size=4)[0]
+    )
+    rpp = advantages_for_step(
+        r,
+        mask,
+        lengths,
+        config_from_dict({"grpo": {"num_generations_per_prompt": 4, "adv_estimator": "reinforce_plus_plus"}}),
+    )
     assert torch.equal(rpp.advantages, reinforce_plus_plus_advantages(r, mask, lengths, group_size=4)[0])
-    dr = advantages_for_step(r, mask, lengths, config_from_dict({"grpo": {"num_generations_per_prompt": 4, "use_leave_one_out_baseline": False, "normalize_rewards": False}}))
+    dr = advantages_for_step(
+        r,
+        mask,
+        lengths,
+        config_from_dict(
+            {"grpo": {"num_generations_per_prompt": 4, "use_leave_one_out_baseline": False, "normalize_rewards": False}}
+        ),
+    )
     assert dr.advantages.tolist() == [0.5, 0.5, -0.5, -0.5]  # Dr. GRPO: r - group mean
 
 

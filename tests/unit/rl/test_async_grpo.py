@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from rl.async_grpo import ReplayBuffer, Trajectories, generation_version, partitions_to_clear, target_steps, trajectory_age
+from rl.async_grpo import (
+    ReplayBuffer,
+    Trajectories,
+    generation_version,
+    partitions_to_clear,
+    target_steps,
+    trajectory_age,
+)
 
 
 def test_generation_version_is_the_policy_a_steps_before_the_one_trained():
@@ -45,7 +52,9 @@ def test_partitions_to_clear_keep_what_a_resume_from_the_newest_checkpoint_needs
     # every partition is cleared exactly once
     assert sorted(k for v in cleared.values() for k in v) == list(range(1, 9))
     # synchronous: each step clears its own
-    assert [partitions_to_clear(k, 0, [c for c in checkpoints if c <= k]) for k in range(1, 9)] == [[k] for k in range(1, 9)]
+    assert [partitions_to_clear(k, 0, [c for c in checkpoints if c <= k]) for k in range(1, 9)] == [
+        [k] for k in range(1, 9)
+    ]
 
 
 def _item(step: int, version: int) -> Trajectories:

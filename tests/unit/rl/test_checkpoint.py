@@ -44,7 +44,14 @@ def _model(seed: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -62,7 +69,11 @@ def _save(url: str, so: dict, seed: int, *, trainer_state: bool = True, step: in
     are seeded first, so that two saves of the same seed write the same bytes."""
     model, opt = _trained(seed) if trainer_state else (_model(seed), None)
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    state = checkpoint.TrainerState(step=step, mlflow_run_id="mlflow-1", extra={"data_position": step}) if trainer_state else None
+    state = (
+        checkpoint.TrainerState(step=step, mlflow_run_id="mlflow-1", extra={"data_position": step})
+        if trainer_state
+        else None
+    )
     return checkpoint.save(url, model=model, tokenizer=_Tok(), optimizer=opt, state=state, storage_options=so)
 
 
@@ -211,7 +222,13 @@ def test_the_marker_is_a_manifest_of_every_file(store):
     _save(url, so, seed=1)
     files = _snapshot(url, so)
     doc = json.loads(files.pop(checkpoint.COMPLETE))
-    assert {"model.safetensors", "config.json", "tokenizer_config.json", "trainer_state/state.json", "trainer_state/optimizer.safetensors"} <= set(files)
+    assert {
+        "model.safetensors",
+        "config.json",
+        "tokenizer_config.json",
+        "trainer_state/state.json",
+        "trainer_state/optimizer.safetensors",
+    } <= set(files)
     assert doc["files"] == {rel: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for rel, b in files.items()}
     assert checkpoint.verify(url, so)["files"] == doc["files"]
 
@@ -313,7 +330,12 @@ def test_a_weights_only_copy_leaves_the_trainer_state_behind(store, monkeypatch)
     if "://" in root:  # a copy of S3: the optimizer moments (2x the weights) never cross the network
         assert got and not [g for g in got if checkpoint.TRAINER_STATE in g]
         assert not Path(folder, checkpoint.TRAINER_STATE).exists()
-        assert set(checkpoint.verify(folder)["files"]) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"} & set(checkpoint.verify(url, so)["files"])
+        assert set(checkpoint.verify(folder)["files"]) == {
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer_config.json",
+        } & set(checkpoint.verify(url, so)["files"])
         shutil.rmtree(folder)
     full = checkpoint.local_copy(url, so, require_complete=True)  # the trainer still gets everything
     model = _model(7)
@@ -326,7 +348,9 @@ def test_a_bfloat16_serving_copy_is_the_master_cast_and_what_a_bf16_loader_downl
     url = f"{root}/{RUN}/weights/step_000001"
     model, opt = _trained(1)
     state = checkpoint.TrainerState(step=1, mlflow_run_id="m", extra={})
-    checkpoint.save(url, model=model, tokenizer=_Tok(), optimizer=opt, state=state, storage_options=so, serving_dtype="bfloat16")
+    checkpoint.save(
+        url, model=model, tokenizer=_Tok(), optimizer=opt, state=state, storage_options=so, serving_dtype="bfloat16"
+    )
     files = checkpoint.verify(url, so)["files"]
     assert "bfloat16/model.safetensors" in files and "bfloat16/config.json" in files
     assert files["bfloat16/model.safetensors"]["size"] < 0.6 * files["model.safetensors"]["size"]
@@ -338,7 +362,12 @@ def test_a_bfloat16_serving_copy_is_the_master_cast_and_what_a_bf16_loader_downl
     assert served.keys() == _weights(checkpoint.local_copy(url, so, require_complete=True, weights_only=True)).keys()
     for k, w in served.items():  # bit for bit what a bf16 engine makes of the float32 master
         assert w.dtype == torch.bfloat16 and torch.equal(w, master[k].to(torch.bfloat16)), k
-    assert json.loads(Path(folder, "config.json").read_text()).get("dtype", json.loads(Path(folder, "config.json").read_text()).get("torch_dtype")) == "bfloat16"
+    assert (
+        json.loads(Path(folder, "config.json").read_text()).get(
+            "dtype", json.loads(Path(folder, "config.json").read_text()).get("torch_dtype")
+        )
+        == "bfloat16"
+    )
     from transformers import AutoModelForCausalLM
 
     assert next(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
@@ -348,7 +377,9 @@ def test_a_bfloat16_serving_copy_is_the_master_cast_and_what_a_bf16_loader_downl
     # a checkpoint without a copy serves its float32 root (no trainer state) to a bf16 loader
     plain = f"{root}/{RUN}/weights/step_000002"
     _save(plain, so, seed=2)
-    assert _same_weights(_weights(checkpoint.local_copy(plain, so, require_complete=True, dtype="bfloat16")), _trained(2)[0].state_dict())
+    assert _same_weights(
+        _weights(checkpoint.local_copy(plain, so, require_complete=True, dtype="bfloat16")), _trained(2)[0].state_dict()
+    )
     with pytest.raises(ValueError, match="serving_dtype='float16'"):
         checkpoint.save(plain, model=model, tokenizer=_Tok(), storage_options=so, serving_dtype="float16")
 
@@ -406,7 +437,9 @@ def test_resume_with_no_good_checkpoint_says_so(store, tmp_path, monkeypatch):
     for step in (1, 2):
         _save(f"{ckpts}/step_{step:06d}", so, seed=step, step=step)
         _damage(f"{ckpts}/step_{step:06d}", so, "trainer_state/optimizer.safetensors", "truncate")
-    with pytest.raises(ValueError, match=r"none of the 2 complete checkpoints .* verifies.*optimizer\.safetensors is corrupt"):
+    with pytest.raises(
+        ValueError, match=r"none of the 2 complete checkpoints .* verifies.*optimizer\.safetensors is corrupt"
+    ):
         _resume(store, monkeypatch, tmp_path)
 
 
@@ -436,7 +469,9 @@ def test_loaders_load_only_complete_checkpoints(store, tmp_path, monkeypatch):
     loaders = {
         "hf generation": lambda v: HFGeneration(cfg, tokenizer=None, model_path=base).refit(v),
         "vllm generation": lambda v: VLLMGeneration(cfg, tokenizer=None, model_path=base).refit(v),
-        "hf policy": lambda v: HFPolicy(cfg, tokenizer=None, reference_path=base).load_checkpoint(v, with_optimizer=False),
+        "hf policy": lambda v: HFPolicy(cfg, tokenizer=None, reference_path=base).load_checkpoint(
+            v, with_optimizer=False
+        ),
         "finish": hf_files,
     }
     for name, load in loaders.items():
@@ -455,7 +490,24 @@ def test_transient_failures_of_every_storage_operation_are_retried(store, tmp_pa
     listing, verification, copying, pruning and resuming go through."""
     root, so = store
     failed: set[tuple[str, str]] = set()
-    ops = {"put_file", "pipe_file", "rm", "get_file", "get", "put", "ls", "exists", "cat_file", "cat", "find", "info", "size", "open", "isdir", "isfile"}
+    ops = {
+        "put_file",
+        "pipe_file",
+        "rm",
+        "get_file",
+        "get",
+        "put",
+        "ls",
+        "exists",
+        "cat_file",
+        "cat",
+        "find",
+        "info",
+        "size",
+        "open",
+        "isdir",
+        "isfile",
+    }
 
     class Flaky:
         def __init__(self, fs):
@@ -491,7 +543,9 @@ def test_transient_failures_of_every_storage_operation_are_retried(store, tmp_pa
         _save(f"{ckpts}/step_{step:06d}", so, seed=step, step=step)
     _save(f"{ckpts}/step_000002", so, seed=2, step=2)  # a re-save: removes before it uploads
     assert checkpoint.list_complete(ckpts, so) == [(1, f"{ckpts}/step_000001"), (2, f"{ckpts}/step_000002")]
-    assert checkpoint.is_complete(f"{ckpts}/step_000002", so) and checkpoint.has_trainer_state(f"{ckpts}/step_000002", so)
+    assert checkpoint.is_complete(f"{ckpts}/step_000002", so) and checkpoint.has_trainer_state(
+        f"{ckpts}/step_000002", so
+    )
     checkpoint.verify(f"{ckpts}/step_000002", so)
     folder = checkpoint.local_copy(f"{ckpts}/step_000002", so, require_complete=True)
     assert _same_weights(_weights(folder), _trained(2)[0].state_dict())
@@ -504,7 +558,9 @@ def test_transient_failures_of_every_storage_operation_are_retried(store, tmp_pa
     assert "transient ConnectionRefusedError" in err and f"checkpoint {ckpts}/step_000002: read _COMPLETE" in err
     if root.startswith("s3://"):
         assert f"checkpoint {ckpts}/step_000002: upload model.safetensors" in err
-    assert {name for name, _ in failed} >= ({"cat_file", "exists", "ls", "rm"} | ({"put_file", "open"} if root.startswith("s3://") else set()))
+    assert {name for name, _ in failed} >= (
+        {"cat_file", "exists", "ls", "rm"} | ({"put_file", "open"} if root.startswith("s3://") else set())
+    )
 
 
 class _LateProxy:
@@ -568,7 +624,10 @@ def test_an_s3_endpoint_dropping_connections_for_a_while_does_not_fail_a_save(s3
 
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 2)
     proxy = _LateProxy(s3_server, delay_s=4.0)
-    so = {"endpoint_url": f"http://127.0.0.1:{proxy.port}", "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}}
+    so = {
+        "endpoint_url": f"http://127.0.0.1:{proxy.port}",
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+    }
     url = f"s3://grpoflow/outage-{uuid.uuid4().hex}/{RUN}/checkpoints/step_000001"
     try:
         started = time.monotonic()

@@ -27,10 +27,26 @@ def test_defaults_are_valid_and_json_safe():
         ("optim", {"lr": 0}, "positive learning rate"),
         ("optim", {"train_global_batch_size": 12, "train_micro_batch_size": 8}, "multiple"),
         ("generation", {"temperature": 0}, "temperature"),
-        ("generation", {"backend": "sglang"}, r"'sglang' is not a generation back-end; use one of \['transformers', 'vllm'\]"),
-        ("policy", {"backend": "deepspeed"}, r"'deepspeed' is not a policy back-end; use one of \['megatron', 'transformers'\]"),
-        ("policy", {"megatron_cfg": {"tensor_model_parallel_size": 0}}, r"policy.megatron_cfg.tensor_model_parallel_size: is 0; use 1 or more"),
-        ("policy", {"megatron_cfg": {"sequence_parallel": True}}, r"sequence_parallel: is true with tensor_model_parallel_size 1; set tensor_model_parallel_size above 1"),
+        (
+            "generation",
+            {"backend": "sglang"},
+            r"'sglang' is not a generation back-end; use one of \['transformers', 'vllm'\]",
+        ),
+        (
+            "policy",
+            {"backend": "deepspeed"},
+            r"'deepspeed' is not a policy back-end; use one of \['megatron', 'transformers'\]",
+        ),
+        (
+            "policy",
+            {"megatron_cfg": {"tensor_model_parallel_size": 0}},
+            r"policy.megatron_cfg.tensor_model_parallel_size: is 0; use 1 or more",
+        ),
+        (
+            "policy",
+            {"megatron_cfg": {"sequence_parallel": True}},
+            r"sequence_parallel: is true with tensor_model_parallel_size 1; set tensor_model_parallel_size above 1",
+        ),
         (
             "policy",
             {"nproc_per_node": 2, "megatron_cfg": {"tensor_model_parallel_size": 2}},
@@ -42,35 +58,107 @@ def test_defaults_are_valid_and_json_safe():
             r"tensor x pipeline x context parallel sizes = 3 ranks do not divide the 4 ranks of policy.nnodes x nproc_per_node",
         ),
         ("generation", {"vllm_cfg": {"gpu_memory_utilization": 1.5}}, r"vllm_cfg.gpu_memory_utilization: is 1.5"),
-        ("generation", {"backend": "vllm", "max_new_tokens": 64, "vllm_cfg": {"max_model_len": 64}}, "raise vllm_cfg.max_model_len"),
+        (
+            "generation",
+            {"backend": "vllm", "max_new_tokens": 64, "vllm_cfg": {"max_model_len": 64}},
+            "raise vllm_cfg.max_model_len",
+        ),
         ("grpo", {"dynamic_sampling_max_gen_batches": 0}, "at least 1"),
         ("loss", {"seq_logprob_error_threshold": 0.5}, ">= 1"),
         ("model", {"precision": "fp8"}, "'auto', 'bfloat16' or 'float32'"),
         ("grpo", {"advantage_clip": 0}, "positive bound"),
         ("loss", {"truncated_importance_sampling_ratio": 2.0}, "use_importance_sampling_correction is false"),
-        ("loss", {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": -1}, "positive bound"),
+        (
+            "loss",
+            {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": -1},
+            "positive bound",
+        ),
         ("dataplane", {"storage_options": {"secret": "x"}}, "environment"),
         # accepted before, failing later (a ZeroDivisionError at config time, a new run, a misplaced store) or never
-        ("optim", {"train_global_batch_size": 0}, r"^config optim.train_global_batch_size: is 0; use a divisor of the step's samples, or null"),
+        (
+            "optim",
+            {"train_global_batch_size": 0},
+            r"^config optim.train_global_batch_size: is 0; use a divisor of the step's samples, or null",
+        ),
         ("optim", {"weight_decay": -1}, r"^config optim.weight_decay: is -1.0; use 0 \(off\) or a positive decay"),
-        ("checkpointing", {"resume_run_id": ""}, r"^config checkpointing.resume_run_id: is ''; give the run_id to resume .* or null to start a new run"),
-        ("checkpointing", {"resume_run_id": "run-1 "}, r"^config checkpointing.resume_run_id: 'run-1 ' has leading or trailing spaces; write 'run-1'"),
-        ("tracking", {"uri": "not a uri"}, r"^config tracking.uri: 'not a uri' is neither a URI .* nor a folder path, and MLflow would make a folder of that name"),
-        ("tracking", {"uri": "htp://host:5000"}, r"^config tracking.uri: 'htp://host:5000' has the scheme 'htp', which no MLflow tracking store reads"),
-        ("tracking", {"uri": "runs/mlflow.db"}, r"^config tracking.uri: 'runs/mlflow.db' is a path to a database file.*; write 'sqlite:///runs/mlflow.db'"),
+        (
+            "checkpointing",
+            {"resume_run_id": ""},
+            r"^config checkpointing.resume_run_id: is ''; give the run_id to resume .* or null to start a new run",
+        ),
+        (
+            "checkpointing",
+            {"resume_run_id": "run-1 "},
+            r"^config checkpointing.resume_run_id: 'run-1 ' has leading or trailing spaces; write 'run-1'",
+        ),
+        (
+            "tracking",
+            {"uri": "not a uri"},
+            r"^config tracking.uri: 'not a uri' is neither a URI .* nor a folder path, and MLflow would make a folder of that name",
+        ),
+        (
+            "tracking",
+            {"uri": "htp://host:5000"},
+            r"^config tracking.uri: 'htp://host:5000' has the scheme 'htp', which no MLflow tracking store reads",
+        ),
+        (
+            "tracking",
+            {"uri": "runs/mlflow.db"},
+            r"^config tracking.uri: 'runs/mlflow.db' is a path to a database file.*; write 'sqlite:///runs/mlflow.db'",
+        ),
         ("tracking", {"uri": "htp://u:hush@host"}, r"'htp://\*\*\*@host' has the scheme"),
         # the variants: unknown names, and combinations that cannot work
-        ("grpo", {"adv_estimator": "rloo"}, r"^config grpo.adv_estimator: is 'rloo'; use one of \['grpo', 'reinforce_plus_plus'\] \(RLOO and Dr. GRPO are settings of 'grpo'\)"),
-        ("loss", {"loss_type": "bnpo"}, r"^config loss.loss_type: is 'bnpo'; use one of \['dapo', 'grpo', 'dr_grpo', 'cispo'\]"),
+        (
+            "grpo",
+            {"adv_estimator": "rloo"},
+            r"^config grpo.adv_estimator: is 'rloo'; use one of \['grpo', 'reinforce_plus_plus'\] \(RLOO and Dr. GRPO are settings of 'grpo'\)",
+        ),
+        (
+            "loss",
+            {"loss_type": "bnpo"},
+            r"^config loss.loss_type: is 'bnpo'; use one of \['dapo', 'grpo', 'dr_grpo', 'cispo'\]",
+        ),
         ("loss", {"importance_sampling_level": "seq"}, r"^config loss.importance_sampling_level: is 'seq'; use one of"),
-        ("loss", {"reference_policy_kl_gradient": "forward"}, r"^config loss.reference_policy_kl_gradient: is 'forward'; use one of \['estimator', 'reverse_kl'\]"),
-        ("loss", {"reference_policy_kl_type": "k1"}, r"^config loss.reference_policy_kl_type: is 'k1' with reference_policy_kl_gradient 'estimator'.*expected gradient of 0.*; set reference_policy_kl_gradient: reverse_kl"),
-        ("loss", {"importance_sampling_level": "sequence"}, r"^config loss.importance_sampling_level: is 'sequence' \(GSPO\) with loss_type 'dapo'.*; set loss_type: grpo"),
-        ("loss", {"loss_type": "cispo", "ratio_clip_c": 3.0}, r"^config loss.ratio_clip_c: is set with loss_type 'cispo'.*; set ratio_clip_c: null"),
-        ("loss", {"token_level_loss": False}, r"^config loss.token_level_loss: is no longer a key; it became loss.loss_type: write loss_type: dapo for token_level_loss: true, loss_type: grpo for false"),
-        ("grpo", {"reward_shaping": {"enabled": True, "overlong_buffer_length": 64}}, r"^config grpo.reward_shaping.overlong_buffer_length: 64 is longer than generation.max_new_tokens=32; use at most 32 tokens, e.g. 6"),
-        ("grpo", {"reward_shaping": {"overlong_buffer_length": 0}}, r"^config grpo.reward_shaping.overlong_buffer_length: is 0; use at least 1 token"),
-        ("grpo", {"reward_shaping": {"overlong_buffer_penalty": -1}}, r"^config grpo.reward_shaping.overlong_buffer_penalty: is -1.0; use a penalty >= 0"),
+        (
+            "loss",
+            {"reference_policy_kl_gradient": "forward"},
+            r"^config loss.reference_policy_kl_gradient: is 'forward'; use one of \['estimator', 'reverse_kl'\]",
+        ),
+        (
+            "loss",
+            {"reference_policy_kl_type": "k1"},
+            r"^config loss.reference_policy_kl_type: is 'k1' with reference_policy_kl_gradient 'estimator'.*expected gradient of 0.*; set reference_policy_kl_gradient: reverse_kl",
+        ),
+        (
+            "loss",
+            {"importance_sampling_level": "sequence"},
+            r"^config loss.importance_sampling_level: is 'sequence' \(GSPO\) with loss_type 'dapo'.*; set loss_type: grpo",
+        ),
+        (
+            "loss",
+            {"loss_type": "cispo", "ratio_clip_c": 3.0},
+            r"^config loss.ratio_clip_c: is set with loss_type 'cispo'.*; set ratio_clip_c: null",
+        ),
+        (
+            "loss",
+            {"token_level_loss": False},
+            r"^config loss.token_level_loss: is no longer a key; it became loss.loss_type: write loss_type: dapo for token_level_loss: true, loss_type: grpo for false",
+        ),
+        (
+            "grpo",
+            {"reward_shaping": {"enabled": True, "overlong_buffer_length": 64}},
+            r"^config grpo.reward_shaping.overlong_buffer_length: 64 is longer than generation.max_new_tokens=32; use at most 32 tokens, e.g. 6",
+        ),
+        (
+            "grpo",
+            {"reward_shaping": {"overlong_buffer_length": 0}},
+            r"^config grpo.reward_shaping.overlong_buffer_length: is 0; use at least 1 token",
+        ),
+        (
+            "grpo",
+            {"reward_shaping": {"overlong_buffer_penalty": -1}},
+            r"^config grpo.reward_shaping.overlong_buffer_penalty: is -1.0; use a penalty >= 0",
+        ),
     ],
 )
 def test_bad_values_fail_with_a_fix(section, values, match):
@@ -80,23 +168,47 @@ def test_bad_values_fail_with_a_fix(section, values, match):
 
 def test_megatron_sizes_split_the_ranks_of_a_task():
     cfg = config_from_dict(
-        {"policy": {"backend": "megatron", "nnodes": 2, "nproc_per_node": 8, "megatron_cfg": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}}
+        {
+            "policy": {
+                "backend": "megatron",
+                "nnodes": 2,
+                "nproc_per_node": 8,
+                "megatron_cfg": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            }
+        }
     )
-    assert (cfg.policy.world_size, cfg.policy.megatron_cfg.model_parallel_size, cfg.policy.data_parallel_size) == (16, 4, 4)
-    assert config_from_dict({"policy": {"nproc_per_node": 2}}).policy.data_parallel_size == 2  # transformers: every rank a replica
-    with pytest.raises(ValueError, match=r"loss.loss_type: is 'grpo' \(a mean per sequence\) with policy.megatron_cfg.context_parallel_size > 1; use a loss summed over tokens"):
-        config_from_dict({"policy": {"backend": "megatron", "nproc_per_node": 2, "megatron_cfg": {"context_parallel_size": 2}}, "loss": {"loss_type": "grpo"}})
+    assert (cfg.policy.world_size, cfg.policy.megatron_cfg.model_parallel_size, cfg.policy.data_parallel_size) == (
+        16,
+        4,
+        4,
+    )
+    assert (
+        config_from_dict({"policy": {"nproc_per_node": 2}}).policy.data_parallel_size == 2
+    )  # transformers: every rank a replica
+    with pytest.raises(
+        ValueError,
+        match=r"loss.loss_type: is 'grpo' \(a mean per sequence\) with policy.megatron_cfg.context_parallel_size > 1; use a loss summed over tokens",
+    ):
+        config_from_dict(
+            {
+                "policy": {"backend": "megatron", "nproc_per_node": 2, "megatron_cfg": {"context_parallel_size": 2}},
+                "loss": {"loss_type": "grpo"},
+            }
+        )
 
 
 def test_every_variant_combines_with_async_data_parallel_ranks_and_megatron():
-    variants = [
-        {"loss": {"loss_type": t}} for t in ("dapo", "grpo", "dr_grpo", "cispo")
-    ] + [
-        {"loss": {"loss_type": "grpo", "importance_sampling_level": level}} for level in ("sequence", "sequence_token")
-    ] + [
-        {"loss": {"reference_policy_kl_type": "k1", "reference_policy_kl_gradient": "reverse_kl"}},
-        {"grpo": {"adv_estimator": "reinforce_plus_plus", "reward_shaping": {"enabled": True}}},
-    ]
+    variants = (
+        [{"loss": {"loss_type": t}} for t in ("dapo", "grpo", "dr_grpo", "cispo")]
+        + [
+            {"loss": {"loss_type": "grpo", "importance_sampling_level": level}}
+            for level in ("sequence", "sequence_token")
+        ]
+        + [
+            {"loss": {"reference_policy_kl_type": "k1", "reference_policy_kl_gradient": "reverse_kl"}},
+            {"grpo": {"adv_estimator": "reinforce_plus_plus", "reward_shaping": {"enabled": True}}},
+        ]
+    )
     around = {
         "grpo": {"max_trajectory_age_steps": 1},
         "loss": {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0},
@@ -145,12 +257,20 @@ def test_load_yaml_json_inline(tmp_path):
     ("section", "values", "match"),
     [
         ("grpo", {"val_at_start": "no"}, r"config grpo.val_at_start: expected true or false, got the string 'no'; "),
-        ("grpo", {"val_at_start": "false"}, r"config grpo.val_at_start: expected true or false, got the string 'false'"),
+        (
+            "grpo",
+            {"val_at_start": "false"},
+            r"config grpo.val_at_start: expected true or false, got the string 'false'",
+        ),
         ("grpo", {"normalize_rewards": 1}, r"config grpo.normalize_rewards: expected true or false, got the number 1"),
         ("grpo", {"max_num_steps": 3.5}, r"config grpo.max_num_steps: expected a whole number, got the number 3.5"),
         ("grpo", {"max_num_steps": True}, r"config grpo.max_num_steps: expected a whole number, got the boolean true"),
         ("grpo", {"max_num_steps": "4"}, r"config grpo.max_num_steps: expected a whole number, got the string '4'"),
-        ("generation", {"vllm_cfg": {"max_model_len": 2048.5}}, r"config generation.vllm_cfg.max_model_len: expected a whole number"),
+        (
+            "generation",
+            {"vllm_cfg": {"max_model_len": 2048.5}},
+            r"config generation.vllm_cfg.max_model_len: expected a whole number",
+        ),
         ("optim", {"lr": float("nan")}, r"config optim.lr: expected a finite number, got the number nan"),
         ("optim", {"lr": float("inf")}, r"config optim.lr: expected a finite number, got the number inf"),
         ("optim", {"lr": float("-inf")}, r"config optim.lr: expected a finite number"),
@@ -162,8 +282,16 @@ def test_load_yaml_json_inline(tmp_path):
         ("model", {"name": 3}, r"config model.name: expected a string, got the number 3"),
         ("tracking", {"run_name": 5}, r"config tracking.run_name: expected a string or null, got the number 5"),
         ("dataplane", {"storage_options": "anon"}, r"config dataplane.storage_options: expected a mapping"),
-        ("dataplane", {"storage_options": {"retries": float("nan")}}, r"config dataplane.storage_options.retries: expected a finite number"),
-        ("data", {"dataset_kwargs": {"min_terms": [2]}}, r"config data.dataset_kwargs.min_terms: expected a bool, number, string or null"),
+        (
+            "dataplane",
+            {"storage_options": {"retries": float("nan")}},
+            r"config dataplane.storage_options.retries: expected a finite number",
+        ),
+        (
+            "data",
+            {"dataset_kwargs": {"min_terms": [2]}},
+            r"config data.dataset_kwargs.min_terms: expected a bool, number, string or null",
+        ),
         ("data", {"dataset_kwargs": {1: 2}}, r"config data.dataset_kwargs: key 1 is the number 1, not a string"),
     ],
 )
@@ -244,7 +372,9 @@ def test_json_values_keep_their_types_through_a_task_boundary():
     """flytekit's dataclass transformer (mashumaro) turned ``dict[str, str]`` values into strings: ``False`` -> 'False'."""
     cfg = config_from_dict(
         {
-            "dataplane": {"storage_options": {"anon": False, "retries": 3, "client_kwargs": {"region_name": "us-east-1"}}},
+            "dataplane": {
+                "storage_options": {"anon": False, "retries": 3, "client_kwargs": {"region_name": "us-east-1"}}
+            },
             "data": {"dataset_kwargs": {"min_terms": 2, "p_negative": 0.5, "allow_zero": True, "style": "plain"}},
         }
     )
@@ -253,7 +383,9 @@ def test_json_values_keep_their_types_through_a_task_boundary():
     so = back.dataplane.storage_options
     assert so["anon"] is False and so["retries"] == 3 and so["client_kwargs"] == {"region_name": "us-east-1"}
     kw = back.data.dataset_kwargs
-    assert type(kw["min_terms"]) is int and kw["p_negative"] == 0.5 and kw["allow_zero"] is True and kw["style"] == "plain"
+    assert (
+        type(kw["min_terms"]) is int and kw["p_negative"] == 0.5 and kw["allow_zero"] is True and kw["style"] == "plain"
+    )
 
 
 def _task_input(section: str, key: str, value):
@@ -272,8 +404,18 @@ def _task_input(section: str, key: str, value):
 @pytest.mark.parametrize(
     ("section", "key", "value", "match"),
     [
-        ("grpo", "val_at_start", "no", "config grpo.val_at_start: expected true or false"),  # mashumaro: bool("no") is True
-        ("grpo", "max_num_steps", 3.5, "config grpo.max_num_steps: expected a whole number"),  # mashumaro: int(3.5) is 3
+        (
+            "grpo",
+            "val_at_start",
+            "no",
+            "config grpo.val_at_start: expected true or false",
+        ),  # mashumaro: bool("no") is True
+        (
+            "grpo",
+            "max_num_steps",
+            3.5,
+            "config grpo.max_num_steps: expected a whole number",
+        ),  # mashumaro: int(3.5) is 3
         ("model", "name", 3, "config model.name: expected a string"),  # mashumaro: str(3)
     ],
 )
@@ -316,7 +458,10 @@ def test_flat_params_redact_credentials_in_urls():
         ({"credentials": "x"}, "dataplane.storage_options.credentials"),
         ({"session": "x"}, "dataplane.storage_options.session"),
         ({"headers": {"Authorization": "Bearer x"}}, "dataplane.storage_options.headers"),
-        ({"client_kwargs": {"aws_secret_access_key": "x"}}, "dataplane.storage_options.client_kwargs.aws_secret_access_key"),
+        (
+            {"client_kwargs": {"aws_secret_access_key": "x"}},
+            "dataplane.storage_options.client_kwargs.aws_secret_access_key",
+        ),
         ({"client_kwargs": {"aws_session_token": "x"}}, "dataplane.storage_options.client_kwargs.aws_session_token"),
         ({"endpoint_url": "http://u:p@minio:9000"}, "dataplane.storage_options.endpoint_url"),
     ],
@@ -363,8 +508,19 @@ def test_tracking_uri_is_checked_loosely():
         config_from_dict({"tracking": {"uri": ""}})
     with pytest.raises(ValueError, match="config tracking.uri: .*leading or trailing spaces"):
         config_from_dict({"tracking": {"uri": " http://host:5000"}})
-    accepted = ("http://user:pw@host:5000", "sqlite:///runs/mlflow.db", "runs/mlruns", "databricks", "mlruns", "./my runs", "/abs/my runs",
-                "file:///abs/mlruns", "postgresql+psycopg2://u@db/mlflow", "https://host", "databricks://profile")
+    accepted = (
+        "http://user:pw@host:5000",
+        "sqlite:///runs/mlflow.db",
+        "runs/mlruns",
+        "databricks",
+        "mlruns",
+        "./my runs",
+        "/abs/my runs",
+        "file:///abs/mlruns",
+        "postgresql+psycopg2://u@db/mlflow",
+        "https://host",
+        "databricks://profile",
+    )
     for uri in accepted:
         assert config_from_dict({"tracking": {"uri": uri}}).tracking.uri == uri
 
@@ -390,18 +546,55 @@ def test_load_config_reads_paths_and_file_urls(tmp_path, monkeypatch):
     [
         ("nope.yaml", None, r"^config file 'nope.yaml': does not exist \(looked for /.*/nope.yaml\); check the path"),
         ("run.txt", "grpo: {}", r"^config file 'run.txt': is not a .yaml, .yml or .json file; give a YAML or JSON"),
-        ("run.yaml", "grpo:\n  max_num_steps: [1\n", r"^config file 'run.yaml': is not valid YAML \(.*line 2.*\); check its indentation"),
-        ("run.json", '{"grpo": {"max_num_steps": 1,}}', r"^config file 'run.json': is not valid JSON \(Expecting property name .*\); check"),
+        (
+            "run.yaml",
+            "grpo:\n  max_num_steps: [1\n",
+            r"^config file 'run.yaml': is not valid YAML \(.*line 2.*\); check its indentation",
+        ),
+        (
+            "run.json",
+            '{"grpo": {"max_num_steps": 1,}}',
+            r"^config file 'run.json': is not valid JSON \(Expecting property name .*\); check",
+        ),
         ("run.yaml", "- grpo\n- optim\n", r"^config file 'run.yaml': holds a list, not a mapping of sections"),
         ("run.yaml", "just text", r"^config file 'run.yaml': holds the string 'just text', not a mapping of sections"),
         ("run.yaml", b"\xff\xfe\x00", r"^config file 'run.yaml': is not a text file"),
-        ("run.yaml", "grpo:\n  max_num_steps: four\n", r"^config grpo.max_num_steps: expected a whole number, got the string 'four'"),
-        ("run.yaml", "grpo:\n  max_num_steps: 2\n  val_period: 1\n  max_num_steps: 3\n", r"^config file 'run.yaml': gives the key 'grpo.max_num_steps' twice \(lines 2 and 4\); keep one of them"),
-        ("run.yml", "grpo: {}\noptim: {lr: 1.0e-5}\ngrpo: {max_num_steps: 2}\n", r"^config file 'run.yml': gives the key 'grpo' twice \(lines 1 and 3\)"),
-        ("run.json", '{"optim": {"lr": 1e-5}, "grpo": {"max_num_steps": 2, "max_num_steps": 3}}', r"^config file 'run.json': gives the key 'grpo.max_num_steps' twice; keep one"),
-        ("run.yaml", "dataplane:\n  storage_options: &o {anon: *o}\n", r"^config file 'run.yaml': dataplane.storage_options.anon is an alias of 'dataplane.storage_options' inside"),
-        ("run.yaml", "&root {grpo: *root}\n", r"^config file 'run.yaml': grpo is an alias of the document inside the document itself"),
-        ("run.yaml", "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n" for j, k in zip("abcd", "bcde")), r"^config file 'run.yaml': e expands to more than 100000 values"),
+        (
+            "run.yaml",
+            "grpo:\n  max_num_steps: four\n",
+            r"^config grpo.max_num_steps: expected a whole number, got the string 'four'",
+        ),
+        (
+            "run.yaml",
+            "grpo:\n  max_num_steps: 2\n  val_period: 1\n  max_num_steps: 3\n",
+            r"^config file 'run.yaml': gives the key 'grpo.max_num_steps' twice \(lines 2 and 4\); keep one of them",
+        ),
+        (
+            "run.yml",
+            "grpo: {}\noptim: {lr: 1.0e-5}\ngrpo: {max_num_steps: 2}\n",
+            r"^config file 'run.yml': gives the key 'grpo' twice \(lines 1 and 3\)",
+        ),
+        (
+            "run.json",
+            '{"optim": {"lr": 1e-5}, "grpo": {"max_num_steps": 2, "max_num_steps": 3}}',
+            r"^config file 'run.json': gives the key 'grpo.max_num_steps' twice; keep one",
+        ),
+        (
+            "run.yaml",
+            "dataplane:\n  storage_options: &o {anon: *o}\n",
+            r"^config file 'run.yaml': dataplane.storage_options.anon is an alias of 'dataplane.storage_options' inside",
+        ),
+        (
+            "run.yaml",
+            "&root {grpo: *root}\n",
+            r"^config file 'run.yaml': grpo is an alias of the document inside the document itself",
+        ),
+        (
+            "run.yaml",
+            "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+            + "".join(f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n" for j, k in zip("abcd", "bcde")),
+            r"^config file 'run.yaml': e expands to more than 100000 values",
+        ),
         ("run.yaml", "[" * 5000 + "]" * 5000, r"^config file 'run.yaml': nests too deeply to read"),
         ("run.json", "[" * 100_000 + "]" * 100_000, r"^config file 'run.json': nests too deeply to read"),
     ],
@@ -434,7 +627,9 @@ def test_load_config_refuses_folders_and_unknown_protocols(tmp_path):
     (tmp_path / "configs.yaml").mkdir()
     with pytest.raises(ValueError, match=r"config file '.*configs.yaml': is a folder; name the config file inside it"):
         load_config(str(tmp_path / "configs.yaml"))
-    with pytest.raises(ValueError, match=r"config file 's4://bucket/x.yaml': cannot be read \(ValueError: Protocol not known: s4\)"):
+    with pytest.raises(
+        ValueError, match=r"config file 's4://bucket/x.yaml': cannot be read \(ValueError: Protocol not known: s4\)"
+    ):
         load_config("s4://bucket/x.yaml")
     with pytest.raises(ValueError, match=r"config \(inline JSON\): is not valid JSON"):
         load_config('{"grpo": ')
@@ -449,7 +644,11 @@ def test_env_storage_options_follow_flytekit(monkeypatch):
     monkeypatch.setenv("FLYTE_AWS_ENDPOINT", "http://localhost:30002")
     monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "minio")
     monkeypatch.setenv("FLYTE_AWS_SECRET_ACCESS_KEY", "miniostorage")
-    assert env_storage_options("s3") == {"endpoint_url": "http://localhost:30002", "key": "minio", "secret": "miniostorage"}
+    assert env_storage_options("s3") == {
+        "endpoint_url": "http://localhost:30002",
+        "key": "minio",
+        "secret": "miniostorage",
+    }
     assert env_storage_options("gs") == {} and env_storage_options("file") == {}
 
 
@@ -487,7 +686,11 @@ def test_flyte_schema_describes_every_field():
     from flytekit.core.type_engine import TypeEngine
 
     schema = TypeEngine.to_literal_type(GRPOConfig).metadata
-    assert schema["properties"]["optim"]["properties"]["lr"] == {"type": "number", "description": "AdamW learning rate after warmup.", "default": 1e-5}
+    assert schema["properties"]["optim"]["properties"]["lr"] == {
+        "type": "number",
+        "description": "AdamW learning rate after warmup.",
+        "default": 1e-5,
+    }
     assert {key: schema for key, (schema, doc) in schema_descriptions(GRPOConfig).items() if schema != doc} == {}
 
 
@@ -499,7 +702,9 @@ def test_config_reference_is_up_to_date():
     root = Path(__file__).resolve().parents[3]
     render = runpy.run_path(str(root / "scripts" / "config_reference.py"))["render"]
     text = render()
-    assert (root / "docs" / "config.md").read_text() == text, "docs/config.md is stale: run python scripts/config_reference.py"
+    assert (root / "docs" / "config.md").read_text() == text, (
+        "docs/config.md is stale: run python scripts/config_reference.py"
+    )
     for key, _ in leaf_docs(GRPOConfig):
         assert f"| `{key}` |" in text
     assert "| `optim.lr` | number | `1e-05` | AdamW learning rate after warmup. |" in text
@@ -516,7 +721,9 @@ def test_load_config_keeps_a_dropped_connection_transient(tmp_path):
     with socket.socket() as s:  # a port nothing listens on: the connection is refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(ValueError, match=rf"^config file 'http://127.0.0.1:{port}/run.yaml': cannot be read \(ClientConnectorError: ") as refused:
+    with pytest.raises(
+        ValueError, match=rf"^config file 'http://127.0.0.1:{port}/run.yaml': cannot be read \(ClientConnectorError: "
+    ) as refused:
         load_config(f"http://127.0.0.1:{port}/run.yaml")  # fsspec's HTTP filesystem calls this a missing file
     assert is_transient(refused.value)
     with pytest.raises(ValueError, match="does not exist") as missing:

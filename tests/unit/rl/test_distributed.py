@@ -7,7 +7,6 @@ real tokenizer keeps each under a few seconds.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -57,7 +56,9 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _meta() -> KVBatchMeta:
-    return KVBatchMeta(partition_id="p", sample_ids=[f"s{i}" for i in range(len(LENGTHS))], sequence_lengths=list(LENGTHS))
+    return KVBatchMeta(
+        partition_id="p", sample_ids=[f"s{i}" for i in range(len(LENGTHS))], sequence_lengths=list(LENGTHS)
+    )
 
 
 def _update(model_dir: str, rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict[str, float], list[int]]:
@@ -112,7 +113,9 @@ def test_two_ranks_make_the_update_of_one_rank(tiny_model_dir, two_ranks):
         assert metrics.keys() == one_metrics.keys()
         for key, value in one_metrics.items():
             assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
-    assert one_metrics["global_valid_toks"] == sum(n - PROMPT for i, n in enumerate(LENGTHS) if i != 3)  # row 3 is masked
+    assert one_metrics["global_valid_toks"] == sum(
+        n - PROMPT for i, n in enumerate(LENGTHS) if i != 3
+    )  # row 3 is masked
     step = max(float((one_weights[k] - _initial(tiny_model_dir)[k]).abs().max()) for k in one_weights)
     assert step > 1e-3  # the update moved the weights: the comparison above is not between two untouched models
 
@@ -178,4 +181,3 @@ def test_the_update_sizes_must_cover_the_batch(tiny_model_dir):
     batch = {k: v for k, v in _batch().items() if k != "prev_logprobs"}
     with pytest.raises(ValueError, match="prev_logprobs are missing but the step makes several optimizer updates"):
         train_on_batch(model, opt, sched, batch, _cfg(), update_sizes=[4, 3])
-

@@ -72,7 +72,9 @@ def test_negative_advantage_and_dual_clip():
 def test_zero_advantage_and_equal_reference_gives_zero_loss():
     curr = torch.randn(3, 6, dtype=torch.float64).tolist()
     b = _batch(curr, curr, [[0.0] * 6] * 3)
-    loss, sums = clipped_pg_loss(b, **{**DEFAULTS, "reference_policy_kl_penalty": 0.01}, global_valid_toks=15, global_valid_seqs=3)
+    loss, sums = clipped_pg_loss(
+        b, **{**DEFAULTS, "reference_policy_kl_penalty": 0.01}, global_valid_toks=15, global_valid_seqs=3
+    )
     assert loss.item() == 0.0
     assert sums["kl_penalty"].item() == 0.0
 
@@ -116,7 +118,9 @@ def test_padding_changes_nothing():
 
 
 def test_masked_sample_contributes_nothing():
-    b = _batch([[0.0, -1.0], [0.0, -1.0]], [[0.0, -1.0], [0.0, -1.0]], [[0.0, 1.0], [0.0, 100.0]], sample_mask=[True, False])
+    b = _batch(
+        [[0.0, -1.0], [0.0, -1.0]], [[0.0, -1.0], [0.0, -1.0]], [[0.0, 1.0], [0.0, 100.0]], sample_mask=[True, False]
+    )
     loss, _ = clipped_pg_loss(b, **DEFAULTS, global_valid_toks=1, global_valid_seqs=1)
     assert loss.item() == pytest.approx(-1.0)
 
@@ -137,7 +141,9 @@ def test_importance_sampling_correction_hand_computed():
     counts = dict(global_valid_toks=1, global_valid_seqs=1)
     plain, _ = clipped_pg_loss(b, **DEFAULTS, **counts)
     full, sums = clipped_pg_loss(b, **DEFAULTS, **counts, use_importance_sampling_correction=True)
-    tis, _ = clipped_pg_loss(b, **DEFAULTS, **counts, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.2)
+    tis, _ = clipped_pg_loss(
+        b, **DEFAULTS, **counts, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.2
+    )
     assert plain.item() == pytest.approx(-1.0)
     assert full.item() == pytest.approx(-math.exp(0.5))
     assert sums["sampling_importance_ratio"].item() == pytest.approx(math.exp(0.5))
@@ -148,7 +154,9 @@ def test_importance_weight_of_an_impossible_generation_token_is_zero():
     # gen = -inf (the back-end reported an impossible token): exp(prev - gen) = inf -> weight 0, loss stays finite
     b = _batch([[0.0, -1.0]], [[0.0, -1.0]], [[0.0, 1.0]])
     b = LossInputs(**{**b.__dict__, "generation_logprobs": torch.tensor([[0.0, -math.inf]], dtype=torch.float64)})
-    loss, _ = clipped_pg_loss(b, **DEFAULTS, global_valid_toks=1, global_valid_seqs=1, use_importance_sampling_correction=True)
+    loss, _ = clipped_pg_loss(
+        b, **DEFAULTS, global_valid_toks=1, global_valid_seqs=1, use_importance_sampling_correction=True
+    )
     assert loss.item() == 0.0
 
 
@@ -157,19 +165,46 @@ def test_the_config_section_reaches_every_setting_of_the_loss():
     from rl.loss import clipped_pg_loss_with
 
     cfg = LossConfig(
-        reference_policy_kl_penalty=0.3, reference_policy_kl_type="k1", reference_policy_kl_gradient="reverse_kl", ratio_clip_min=0.1,
-        ratio_clip_max=0.3, ratio_clip_c=3.0, loss_type="grpo", importance_sampling_level="sequence", use_importance_sampling_correction=True,
+        reference_policy_kl_penalty=0.3,
+        reference_policy_kl_type="k1",
+        reference_policy_kl_gradient="reverse_kl",
+        ratio_clip_min=0.1,
+        ratio_clip_max=0.3,
+        ratio_clip_c=3.0,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        use_importance_sampling_correction=True,
         truncated_importance_sampling_ratio=1.5,
     )
-    b = _batch([[0.0, -1.0, -2.0, -0.5]], [[0.0, -1.5, -1.0, -0.7]], [[0.0, -2.0, -2.0, 1.0]], ref=[[0.0, -0.5, -2.5, -0.1]])
+    b = _batch(
+        [[0.0, -1.0, -2.0, -0.5]], [[0.0, -1.5, -1.0, -0.7]], [[0.0, -2.0, -2.0, 1.0]], ref=[[0.0, -0.5, -2.5, -0.1]]
+    )
     b = LossInputs(**{**b.__dict__, "generation_logprobs": b.prev_logprobs - 0.4})
     got = clipped_pg_loss_with(b, cfg, global_valid_toks=3, global_valid_seqs=1, max_response_tokens=4)
     want = clipped_pg_loss(
-        b, ratio_clip_min=0.1, ratio_clip_max=0.3, ratio_clip_c=3.0, reference_policy_kl_penalty=0.3, reference_policy_kl_type="k1",
-        reference_policy_kl_gradient="reverse_kl", loss_type="grpo", importance_sampling_level="sequence", global_valid_toks=3,
-        global_valid_seqs=1, use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5,
+        b,
+        ratio_clip_min=0.1,
+        ratio_clip_max=0.3,
+        ratio_clip_c=3.0,
+        reference_policy_kl_penalty=0.3,
+        reference_policy_kl_type="k1",
+        reference_policy_kl_gradient="reverse_kl",
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        global_valid_toks=3,
+        global_valid_seqs=1,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_ratio=1.5,
     )
     assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][k], want[1][k]) for k in want[1])
-    assert not torch.equal(got[0], clipped_pg_loss(b, **DEFAULTS, global_valid_toks=3, global_valid_seqs=1)[0])  # the settings matter here
-    dr = clipped_pg_loss_with(b, LossConfig(loss_type="dr_grpo"), global_valid_toks=3, global_valid_seqs=1, max_response_tokens=4)[0]
-    assert dr.item() == pytest.approx(clipped_pg_loss_with(b, LossConfig(), global_valid_toks=3, global_valid_seqs=1, max_response_tokens=4)[0].item() * 3 / 4)
+    assert not torch.equal(
+        got[0], clipped_pg_loss(b, **DEFAULTS, global_valid_toks=3, global_valid_seqs=1)[0]
+    )  # the settings matter here
+    dr = clipped_pg_loss_with(
+        b, LossConfig(loss_type="dr_grpo"), global_valid_toks=3, global_valid_seqs=1, max_response_tokens=4
+    )[0]
+    assert dr.item() == pytest.approx(
+        clipped_pg_loss_with(b, LossConfig(), global_valid_toks=3, global_valid_seqs=1, max_response_tokens=4)[0].item()
+        * 3
+        / 4
+    )

@@ -11,7 +11,14 @@ import torch
 
 from rl.loss import LossInputs, clipped_pg_loss, kl_penalty
 
-VARIANTS = [("dapo", "token"), ("grpo", "token"), ("dr_grpo", "token"), ("cispo", "token"), ("grpo", "sequence"), ("grpo", "sequence_token")]
+VARIANTS = [
+    ("dapo", "token"),
+    ("grpo", "token"),
+    ("dr_grpo", "token"),
+    ("cispo", "token"),
+    ("grpo", "sequence"),
+    ("grpo", "sequence_token"),
+]
 KLS = [("k1", "reverse_kl"), ("k2", "estimator"), ("k2", "reverse_kl"), ("k3", "estimator"), ("k3", "reverse_kl")]
 
 
@@ -20,7 +27,9 @@ def _paper_kl(curr: torch.Tensor, ref: float, kl_type: str, gradient: str) -> to
     ``reverse_kl`` adds the score-function weight pi / sg(pi) that makes the gradient that of E_pi[k]."""
     logr = ref - curr
     clamped = min(max(float(logr.detach()), -20.0), 20.0)
-    x = logr if clamped == float(logr.detach()) else torch.tensor(clamped, dtype=torch.float64)  # a clamped input has no gradient
+    x = (
+        logr if clamped == float(logr.detach()) else torch.tensor(clamped, dtype=torch.float64)
+    )  # a clamped input has no gradient
     k = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - 1 - x}[kl_type]
     if gradient == "reverse_kl":
         w = torch.exp(curr - curr.detach())
@@ -32,7 +41,23 @@ def _clip(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
     return x.clamp(low, high)
 
 
-def paper_loss(b: LossInputs, *, loss_type, level, kl_type, kl_gradient, beta, eps_low, eps_high, c, is_correction, tis, toks, seqs, max_tokens):
+def paper_loss(
+    b: LossInputs,
+    *,
+    loss_type,
+    level,
+    kl_type,
+    kl_gradient,
+    beta,
+    eps_low,
+    eps_high,
+    c,
+    is_correction,
+    tis,
+    toks,
+    seqs,
+    max_tokens,
+):
     """The loss of each variant from its paper, summed sequence by sequence and token by token.
 
     PPO-clip per token (DeepSeekMath eq. 3): l_t = -min(r_t A, clip(r_t) A), dual clip -max(l, c A) for A < 0 written as
@@ -53,7 +78,10 @@ def paper_loss(b: LossInputs, *, loss_type, level, kl_type, kl_gradient, beta, e
         prev = [float(b.prev_logprobs[i, t]) for t in tokens]
         gen = [float(b.generation_logprobs[i, t]) for t in tokens]
         adv = [float(b.advantages[i, t]) for t in tokens]
-        kls = [beta * _paper_kl(curr[j], float(b.reference_policy_logprobs[i, tokens[j]]), kl_type, kl_gradient) for j in range(len(tokens))]
+        kls = [
+            beta * _paper_kl(curr[j], float(b.reference_policy_logprobs[i, tokens[j]]), kl_type, kl_gradient)
+            for j in range(len(tokens))
+        ]
         seq_weight = math.exp(sum(p - g for p, g in zip(prev, gen)))
         seq_weight = min(seq_weight, tis) if tis is not None else seq_weight
         terms = []
@@ -129,22 +157,50 @@ def test_every_variant_equals_its_paper_in_value_and_gradient(loss_type, level, 
     mask = b.token_mask[:, 1:] & b.sample_mask[:, None]
     toks, seqs = float(mask.sum()), float(b.sample_mask.sum())
     tis = 1.5 if off_policy else None
-    args = dict(ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=dual, reference_policy_kl_penalty=0.05, reference_policy_kl_type=kl_type)
+    args = dict(
+        ratio_clip_min=0.2,
+        ratio_clip_max=0.28,
+        ratio_clip_c=dual,
+        reference_policy_kl_penalty=0.05,
+        reference_policy_kl_type=kl_type,
+    )
     ours, _ = clipped_pg_loss(
-        b, **args, reference_policy_kl_gradient=kl_gradient, loss_type=loss_type, importance_sampling_level=level, global_valid_toks=toks,
-        global_valid_seqs=seqs, max_response_tokens=12, use_importance_sampling_correction=off_policy, truncated_importance_sampling_ratio=tis,
+        b,
+        **args,
+        reference_policy_kl_gradient=kl_gradient,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        global_valid_toks=toks,
+        global_valid_seqs=seqs,
+        max_response_tokens=12,
+        use_importance_sampling_correction=off_policy,
+        truncated_importance_sampling_ratio=tis,
     )
     (grad,) = torch.autograd.grad(ours, b.logprobs)
     want = paper_loss(
-        b, loss_type=loss_type, level=level, kl_type=kl_type, kl_gradient=kl_gradient, beta=0.05, eps_low=0.2, eps_high=0.28, c=dual,
-        is_correction=off_policy, tis=tis, toks=toks, seqs=seqs, max_tokens=12,
+        b,
+        loss_type=loss_type,
+        level=level,
+        kl_type=kl_type,
+        kl_gradient=kl_gradient,
+        beta=0.05,
+        eps_low=0.2,
+        eps_high=0.28,
+        c=dual,
+        is_correction=off_policy,
+        tis=tis,
+        toks=toks,
+        seqs=seqs,
+        max_tokens=12,
     )
     (want_grad,) = torch.autograd.grad(want, b.logprobs)
     assert ours.item() == pytest.approx(want.item(), abs=1e-12)
     assert torch.allclose(grad, want_grad, rtol=0, atol=1e-12)
     assert grad.abs().sum() > 0  # the batch moves the policy
     assert torch.equal(grad[:, 0], torch.zeros(grad.shape[0], dtype=torch.float64))  # position 0 is no prediction
-    assert torch.equal(grad[:, 1:][~mask], torch.zeros(int((~mask).sum()), dtype=torch.float64))  # padding, holes, invalid: no gradient
+    assert torch.equal(
+        grad[:, 1:][~mask], torch.zeros(int((~mask).sum()), dtype=torch.float64)
+    )  # padding, holes, invalid: no gradient
 
 
 def _on_policy(b: LossInputs) -> LossInputs:
@@ -153,8 +209,15 @@ def _on_policy(b: LossInputs) -> LossInputs:
 
 
 def _grad(b: LossInputs, **kw) -> torch.Tensor:
-    args = dict(ratio_clip_min=0.2, ratio_clip_max=0.2, ratio_clip_c=None, reference_policy_kl_penalty=0.0, reference_policy_kl_type="k3",
-                global_valid_toks=20.0, global_valid_seqs=6.0)
+    args = dict(
+        ratio_clip_min=0.2,
+        ratio_clip_max=0.2,
+        ratio_clip_c=None,
+        reference_policy_kl_penalty=0.0,
+        reference_policy_kl_type="k3",
+        global_valid_toks=20.0,
+        global_valid_seqs=6.0,
+    )
     loss, _ = clipped_pg_loss(b, **{**args, **kw})
     return torch.autograd.grad(loss, b.logprobs)[0]
 
@@ -164,15 +227,19 @@ def test_on_policy_gspo_trains_as_sequence_mean_grpo_and_cispo_as_dapo():
     # grad s_i = mean_t grad log pi_t then equals the sequence-mean of the token terms, and CISPO's
     # -sg(1) A grad log pi equals PPO's -A grad r
     b = _on_policy(_random_batch(5))
-    assert torch.allclose(_grad(b, loss_type="grpo", importance_sampling_level="sequence"), _grad(b, loss_type="grpo"), rtol=0, atol=1e-15)
+    assert torch.allclose(
+        _grad(b, loss_type="grpo", importance_sampling_level="sequence"), _grad(b, loss_type="grpo"), rtol=0, atol=1e-15
+    )
     assert torch.allclose(_grad(b, loss_type="cispo"), _grad(b, loss_type="dapo"), rtol=0, atol=1e-15)
 
 
 def test_gspo_token_trains_as_gspo_with_one_advantage_per_sequence_off_policy_too():
     b = _random_batch(7)
     assert torch.allclose(
-        _grad(b, loss_type="grpo", importance_sampling_level="sequence_token"), _grad(b, loss_type="grpo", importance_sampling_level="sequence"),
-        rtol=0, atol=1e-14,
+        _grad(b, loss_type="grpo", importance_sampling_level="sequence_token"),
+        _grad(b, loss_type="grpo", importance_sampling_level="sequence"),
+        rtol=0,
+        atol=1e-14,
     )
 
 
@@ -193,8 +260,16 @@ def _one(curr, prev, adv, *, gen=None, ref=None, token_mask=None, sample_mask=No
 
 
 def _loss(b, **kw):
-    args = dict(ratio_clip_min=0.2, ratio_clip_max=0.2, ratio_clip_c=None, reference_policy_kl_penalty=0.0, reference_policy_kl_type="k3",
-                global_valid_toks=2.0, global_valid_seqs=1.0, max_response_tokens=4)
+    args = dict(
+        ratio_clip_min=0.2,
+        ratio_clip_max=0.2,
+        ratio_clip_c=None,
+        reference_policy_kl_penalty=0.0,
+        reference_policy_kl_type="k3",
+        global_valid_toks=2.0,
+        global_valid_seqs=1.0,
+        max_response_tokens=4,
+    )
     return clipped_pg_loss(b, **{**args, **kw})
 
 
@@ -206,7 +281,9 @@ def test_gspo_clips_the_length_normalized_sequence_ratio():
     loss, sums = _loss(pos, loss_type="grpo", importance_sampling_level="sequence")
     assert loss.item() == pytest.approx(-1.2)
     assert torch.equal(torch.autograd.grad(loss, pos.logprobs)[0], torch.zeros(1, 3, dtype=torch.float64))
-    assert sums["clip_fraction/high"].item() == 2.0 and sums["clip_fraction/low"].item() == 0.0  # both tokens' sequence was clipped
+    assert (
+        sums["clip_fraction/high"].item() == 2.0 and sums["clip_fraction/low"].item() == 0.0
+    )  # both tokens' sequence was clipped
     neg = _one([[0.0, -1.0, -1.0]], [[0.0, -1.1, -1.5]], [[0.0, -1.0, -1.0]])
     loss, _ = _loss(neg, loss_type="grpo", importance_sampling_level="sequence")
     assert loss.item() == pytest.approx(math.exp(0.3))
@@ -245,13 +322,19 @@ def test_edges_empty_one_token_equal_rewards_and_invalid_samples(loss_type, leve
         token_mask=[[True, False, False], [False, False, True], [False, True, True], [False, True, True]],
         sample_mask=[True, True, True, False],
     )
-    loss, _ = _loss(b, loss_type=loss_type, importance_sampling_level=level, global_valid_toks=3.0, global_valid_seqs=3.0)
+    loss, _ = _loss(
+        b, loss_type=loss_type, importance_sampling_level=level, global_valid_toks=3.0, global_valid_seqs=3.0
+    )
     grad = torch.autograd.grad(loss, b.logprobs)[0]
     # PPO-clip and GSPO: -min(-r, -1.2) = r = 1.648721; CISPO: -sg(clip(r)) * A * log pi = -1.2 * -1 * -2.0 = -2.4
     per_token = -2.4 if loss_type == "cispo" else math.exp(0.5)
-    expected = {"dapo": per_token / 3, "cispo": per_token / 3, "grpo": per_token / 3, "dr_grpo": per_token / (3 * 4)}[loss_type]
+    expected = {"dapo": per_token / 3, "cispo": per_token / 3, "grpo": per_token / 3, "dr_grpo": per_token / (3 * 4)}[
+        loss_type
+    ]
     assert loss.item() == pytest.approx(expected)
-    assert torch.count_nonzero(grad[[0, 2, 3]]) == 0  # no gradient from the empty, the zero-advantage or the invalid row
+    assert (
+        torch.count_nonzero(grad[[0, 2, 3]]) == 0
+    )  # no gradient from the empty, the zero-advantage or the invalid row
     assert grad[1, 2].item() != 0.0
 
 
@@ -267,15 +350,24 @@ def test_sampling_importance_ratio_is_reported_with_the_correction_off():
     b = _one([[0.0, -1.0]], [[0.0, -1.0]], [[0.0, 1.0]], gen=[[0.0, -1.5]])
     off_loss, off = _loss(b, global_valid_toks=1.0)
     on_loss, on = _loss(b, global_valid_toks=1.0, use_importance_sampling_correction=True)
-    assert off["sampling_importance_ratio"].item() == pytest.approx(math.exp(0.5)) == on["sampling_importance_ratio"].item()
+    assert (
+        off["sampling_importance_ratio"].item()
+        == pytest.approx(math.exp(0.5))
+        == on["sampling_importance_ratio"].item()
+    )
     assert off_loss.item() == pytest.approx(-1.0) and on_loss.item() == pytest.approx(-math.exp(0.5))
 
 
 def test_sequence_level_sampling_importance_ratio_is_a_sum_over_sequences():
     # GSPO: w_i = exp(sum_t (prev - gen)): row 0 exp(0.2 + 0.3) = exp(0.5) on 2 tokens, row 1 exp(0) = 1 on 1 token;
     # a sum over the 2 valid sequences, exp(0.5) + 1 (tokens would count row 0 twice)
-    b = _one([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]], [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]], [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]],
-             gen=[[0.0, -1.2, -1.3], [0.0, -1.0, -1.0]], token_mask=[[False, True, True], [False, False, True]])
+    b = _one(
+        [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]],
+        [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]],
+        [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]],
+        gen=[[0.0, -1.2, -1.3], [0.0, -1.0, -1.0]],
+        token_mask=[[False, True, True], [False, False, True]],
+    )
     _, sums = _loss(b, loss_type="grpo", importance_sampling_level="sequence")
     assert sums["sampling_importance_ratio"].item() == pytest.approx(math.exp(0.5) + 1)
     assert sums["valid_seqs"].item() == 2.0 and sums["valid_toks"].item() == 3.0
@@ -285,9 +377,13 @@ def test_metrics_stay_finite_in_float32_with_a_huge_gap_on_a_masked_sample():
     # the masked-out sample's logprob gap of 100 nats: exp(100) overflows float32, and exp(100) * 0 would be NaN
     curr = torch.tensor([[0.0, -1.0], [0.0, -1.0]], requires_grad=True)
     b = LossInputs(
-        logprobs=curr, prev_logprobs=curr.detach().clone(), reference_policy_logprobs=curr.detach().clone(),
-        generation_logprobs=torch.tensor([[0.0, -1.0], [0.0, -101.0]]), advantages=torch.tensor([[0.0, 1.0], [0.0, 1.0]]),
-        token_mask=torch.ones(2, 2, dtype=torch.bool), sample_mask=torch.tensor([True, False]),
+        logprobs=curr,
+        prev_logprobs=curr.detach().clone(),
+        reference_policy_logprobs=curr.detach().clone(),
+        generation_logprobs=torch.tensor([[0.0, -1.0], [0.0, -101.0]]),
+        advantages=torch.tensor([[0.0, 1.0], [0.0, 1.0]]),
+        token_mask=torch.ones(2, 2, dtype=torch.bool),
+        sample_mask=torch.tensor([True, False]),
     )
     loss, sums = _loss(b, global_valid_toks=1.0)
     assert all(math.isfinite(float(v)) for v in sums.values() if v.numel() == 1), sums
@@ -337,7 +433,9 @@ def test_the_estimator_convention_k3_k2_and_k1():
     got, reverse, _ = _expected_kl_gradient("k2", "estimator")
     assert torch.allclose(got, reverse, rtol=0, atol=1e-14)  # k2 as a loss: grad KL(pi || pi_ref)
     got, *_ = _expected_kl_gradient("k1", "estimator")
-    assert torch.allclose(got, torch.zeros(5, dtype=torch.float64), atol=1e-15)  # k1 as a loss: nothing (the config refuses it)
+    assert torch.allclose(
+        got, torch.zeros(5, dtype=torch.float64), atol=1e-15
+    )  # k1 as a loss: nothing (the config refuses it)
 
 
 def test_the_kl_value_is_the_same_under_both_gradients_and_a_clamped_value_has_no_gradient():

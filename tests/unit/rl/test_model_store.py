@@ -33,13 +33,22 @@ def model(tmp_path) -> Path:
     return folder
 
 
-PUBLISHED = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "sub/tokenizer.json"]
+PUBLISHED = [
+    "config.json",
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "sub/tokenizer.json",
+]
 
 
 def _files(folder: str | Path) -> dict[str, bytes]:
     root = Path(folder)
     skip = (checkpoint.COMPLETE, model_store.CACHE_MANIFEST)
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name not in skip}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }
 
 
 def _fs(url: str, so: dict):
@@ -52,7 +61,10 @@ def test_the_manifest_lists_the_model_files_only_and_its_hash_names_the_folder(m
     doc = json.loads(raw)
     assert sorted(doc["files"]) == PUBLISHED
     blob = (model / "model-00002-of-00002.safetensors").read_bytes()
-    assert doc["files"]["model-00002-of-00002.safetensors"] == {"size": 12345, "sha256": hashlib.sha256(blob).hexdigest()}
+    assert doc["files"]["model-00002-of-00002.safetensors"] == {
+        "size": 12345,
+        "sha256": hashlib.sha256(blob).hexdigest(),
+    }
     assert model_store.digest(raw) == hashlib.sha256(raw).hexdigest()
     assert manifest(model) == raw  # canonical: the same folder, the same bytes
     (model / "config.json").write_text('{"model_type": "llama", "x": 1}')
@@ -69,7 +81,9 @@ def test_publish_is_content_addressed_and_a_second_publish_uploads_nothing(model
     for rel in PUBLISHED:
         assert fs.cat_file(f"{path}/{rel}") == (model / rel).read_bytes(), rel
     assert not fs.exists(f"{path}/.cache") and not fs.exists(f"{path}/{checkpoint.TRAINER_STATE}")
-    assert checkpoint.verify(url, so)["files"].keys() == set(PUBLISHED)  # a weights-only checkpoint in rl.checkpoint's format
+    assert checkpoint.verify(url, so)["files"].keys() == set(
+        PUBLISHED
+    )  # a weights-only checkpoint in rl.checkpoint's format
 
     def no_upload(*args, **kwargs):
         raise AssertionError("a second publish of the same model must upload nothing")
@@ -162,7 +176,9 @@ def test_a_damaged_cached_copy_is_downloaded_again(model, s3_server, tmp_path):
     folder = Path(materialize(url, so, cache=tmp_path / "cache"))
     (folder / "model-00001-of-00002.safetensors").write_bytes(b"truncated")
     assert materialize(url, so, cache=tmp_path / "cache") == str(folder)
-    assert _files(folder)["model-00001-of-00002.safetensors"] == (model / "model-00001-of-00002.safetensors").read_bytes()
+    assert (
+        _files(folder)["model-00001-of-00002.safetensors"] == (model / "model-00001-of-00002.safetensors").read_bytes()
+    )
 
 
 def test_a_folder_in_the_cache_that_is_not_a_cached_copy_is_replaced(model, s3_server, tmp_path):
@@ -198,7 +214,9 @@ def test_concurrent_publishers_and_loaders_agree(model, store, tmp_path):
         assert [p.name for p in Path(url).parent.iterdir()] == [Path(url).name]  # no staging folder left
         return
     cache = tmp_path / "cache"
-    threads = [threading.Thread(target=run, args=(folders, lambda: materialize(url, so, cache=cache))) for _ in range(4)]
+    threads = [
+        threading.Thread(target=run, args=(folders, lambda: materialize(url, so, cache=cache))) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dataplane.codec import pad_nested
-from rl.config import config_from_dict
 from rl.backends.hf.logprobs import batched_logprobs
+from rl.config import config_from_dict
 from rl.rollout import sample_step, to_columns
 
 

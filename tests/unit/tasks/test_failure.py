@@ -8,7 +8,9 @@ from tasks import tracking
 
 
 def _start(uri: str, execution: str) -> str:
-    return tracking.start_run(uri=uri, experiment_name="test", run_name=None, params={}, tags={"flyte.execution_id": f"p/d/{execution}"})
+    return tracking.start_run(
+        uri=uri, experiment_name="test", run_name=None, params={}, tags={"flyte.execution_id": f"p/d/{execution}"}
+    )
 
 
 def _status(uri: str, run_id: str) -> str:
@@ -51,7 +53,11 @@ def test_the_local_handler_fails_the_open_runs_of_this_process_in_the_runs_store
     monkeypatch.setattr(runtime, "release_all", lambda: released.append(True))
 
     run_failed(cfg=cfg, err=None)
-    assert (_status(uri, running), _status(uri, finished), _status(elsewhere, away)) == ("FAILED", "FINISHED", "RUNNING")
+    assert (_status(uri, running), _status(uri, finished), _status(elsewhere, away)) == (
+        "FAILED",
+        "FINISHED",
+        "RUNNING",
+    )
     assert released == [True]
     run_failed(cfg=cfg, err=None)  # again: nothing left to mark
     assert _status(uri, running) == "FAILED"

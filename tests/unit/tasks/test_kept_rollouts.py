@@ -39,12 +39,16 @@ def _per_token(per_sample: list[float]) -> torch.Tensor:
 def _put_step(dp: DataPlane):
     """The step partition as the rollout and advantages tasks leave it; returns the joined meta."""
     lengths = _lengths()
-    logprobs = torch.cat([torch.cat([torch.zeros(p), torch.tensor(r)]) for p, r in zip(PROMPTS, RESPONSE_LOGPROBS)])  # [T]
+    logprobs = torch.cat(
+        [torch.cat([torch.zeros(p), torch.tensor(r)]) for p, r in zip(PROMPTS, RESPONSE_LOGPROBS)]
+    )  # [T]
     columns = {
         F.INPUT_IDS: nested_from_values(torch.arange(int(lengths.sum()), dtype=torch.int64), lengths),
         F.INPUT_LENGTHS: lengths,
         F.GENERATION_LOGPROBS: nested_from_values(logprobs, lengths),
-        F.TOKEN_MASK: nested_from_values(torch.cat([torch.arange(n) >= p for p, n in zip(PROMPTS, lengths.tolist())]), lengths),
+        F.TOKEN_MASK: nested_from_values(
+            torch.cat([torch.arange(n) >= p for p, n in zip(PROMPTS, lengths.tolist())]), lengths
+        ),
         F.SAMPLE_MASK: torch.tensor([True, True, True, False]),
         F.REWARDS: torch.tensor(REWARDS, dtype=torch.float32),
         F.TRUNCATED: torch.tensor([False, False, True, False]),
@@ -76,16 +80,40 @@ def test_keep_writes_one_plain_parquet_row_per_sample(step):
     with fsspec.open(url, "rb", **cfg.dataplane.storage_options) as f:
         table = pq.read_table(f)
     assert table.schema.types == [
-        pa.int64(), pa.string(), pa.int64(), pa.int64(), pa.int64(), pa.string(), pa.string(), pa.string(),
-        pa.float32(), pa.float32(), pa.bool_(), pa.bool_(), pa.int64(), pa.int64(), pa.list_(pa.float32()),
+        pa.int64(),
+        pa.string(),
+        pa.int64(),
+        pa.int64(),
+        pa.int64(),
+        pa.string(),
+        pa.string(),
+        pa.string(),
+        pa.float32(),
+        pa.float32(),
+        pa.bool_(),
+        pa.bool_(),
+        pa.int64(),
+        pa.int64(),
+        pa.list_(pa.float32()),
     ]
     rows = table.to_pylist()
     assert len(rows) == 4
     assert [r["sample_id"] for r in rows] == meta.sample_ids
     assert rows[0] == {
-        "step": 7, "sample_id": meta.sample_ids[0], "prompt_index": 0, "generation_index": 0, "weight_version": 6,
-        "prompt": "1 + 2 =", "response": "3", "answer": "3", "rewards": 1.0, "advantages": 0.5,
-        "sample_mask": True, "truncated": False, "prompt_lengths": 2, "response_lengths": 3,
+        "step": 7,
+        "sample_id": meta.sample_ids[0],
+        "prompt_index": 0,
+        "generation_index": 0,
+        "weight_version": 6,
+        "prompt": "1 + 2 =",
+        "response": "3",
+        "answer": "3",
+        "rewards": 1.0,
+        "advantages": 0.5,
+        "sample_mask": True,
+        "truncated": False,
+        "prompt_lengths": 2,
+        "response_lengths": 3,
         "generation_logprobs": [-0.5, -1.0, -0.25],  # the response tokens only: the 2 prompt zeros are left out
     }
     assert [r["prompt_index"] for r in rows] == [0, 0, 1, 1]
@@ -110,14 +138,18 @@ def test_pandas_reads_it_by_url(step):
 def test_keeping_again_replaces_the_file(step):
     cfg, dp, meta = step
     url = kept_rollouts.keep(cfg, RUN, dp, meta, STEP)
-    dp.write_columns(meta, {F.ADVANTAGES: _per_token([1.0, -1.0, 2.0, -2.0])}, task_name="advantages")  # a retried write
+    dp.write_columns(
+        meta, {F.ADVANTAGES: _per_token([1.0, -1.0, 2.0, -2.0])}, task_name="advantages"
+    )  # a retried write
     assert kept_rollouts.keep(cfg, RUN, dp, meta, STEP) == url
     with fsspec.open(url, "rb", **cfg.dataplane.storage_options) as f:
         table = pq.read_table(f)
     assert table.num_rows == 4
     assert table.column("advantages").to_pylist() == [1.0, -1.0, 2.0, -2.0]
     fs, folder = fsspec.core.url_to_fs(url.rsplit("/", 1)[0], **cfg.dataplane.storage_options)
-    assert [p.rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)] == ["step_000007.parquet"]  # no temporary file left
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)] == [
+        "step_000007.parquet"
+    ]  # no temporary file left
 
 
 def test_off_writes_nothing(tmp_path):
@@ -141,6 +173,8 @@ def test_wrong_step_and_varying_advantages_are_refused(tmp_path):
     per_token = torch.repeat_interleave(torch.tensor(ADVANTAGES), lengths)  # [16]
     per_token[6] = 9.0  # the second token of sample 1 (sample 0 has 5 tokens)
     dp.write_columns(meta, {F.ADVANTAGES: nested_from_values(per_token, lengths)}, task_name="advantages")
-    with pytest.raises(ValueError, match=rf"the advantage of samples \['{meta.sample_ids[1]}'\] varies across their tokens"):
+    with pytest.raises(
+        ValueError, match=rf"the advantage of samples \['{meta.sample_ids[1]}'\] varies across their tokens"
+    ):
         kept_rollouts.keep(cfg, RUN, dp, meta, STEP)
     assert not (tmp_path / "dp" / "run-1" / "rollouts").exists()

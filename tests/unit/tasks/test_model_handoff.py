@@ -74,7 +74,9 @@ def test_a_pod_with_an_empty_cache_loads_the_published_model(tmp_path, tiny_mode
         _same(gen._model.state_dict(), original)
         assert runtime.base_tokenizer(cfg, run).get_vocab() == runtime.tokenizer(tiny_model_dir).get_vocab()
         runtime.discard(run, "generation")
-        policy = runtime.policy(cfg, run, PolicyVersion(step=0, path=run.start_policy_path), training=True)  # a train pod
+        policy = runtime.policy(
+            cfg, run, PolicyVersion(step=0, path=run.start_policy_path), training=True
+        )  # a train pod
         assert copies == [folder, folder]
         _same(dict(policy.named_weights()), original)
         policy.load_reference_policy()  # a reference pod: from the node cache too

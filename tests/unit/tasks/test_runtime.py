@@ -70,5 +70,5 @@ def test_startup_counts_from_the_process_start_for_the_first_task_only(monkeypat
     before = time.time()
     second = runtime.begin_task()
     assert before <= second <= time.time()
-    (key, seconds), = runtime.startup_metric("rollout", first).items()
+    ((key, seconds),) = runtime.startup_metric("rollout", first).items()
     assert key == "timing/rollout/startup" and seconds >= time.time() - first - 1

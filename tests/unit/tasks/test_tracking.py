@@ -8,8 +8,12 @@ from tasks import tracking
 
 def _start(uri: str, execution: str, *, reuse: bool) -> str:
     return tracking.start_run(
-        uri=uri, experiment_name="test", run_name=None, params={"optim.lr": "1e-05"},
-        tags={"flyte.execution_id": f"p/d/{execution}"}, reuse_tag="flyte.execution_id" if reuse else None,
+        uri=uri,
+        experiment_name="test",
+        run_name=None,
+        params={"optim.lr": "1e-05"},
+        tags={"flyte.execution_id": f"p/d/{execution}"},
+        reuse_tag="flyte.execution_id" if reuse else None,
     )
 
 

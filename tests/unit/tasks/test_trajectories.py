@@ -30,13 +30,30 @@ class Recorder:
     def produce(self, gen: Recorder, step: int) -> KVBatchMeta:
         assert gen is self
         self.made.append((step, gen.weight_version))
-        return KVBatchMeta(partition_id=f"step_{step:06d}", sample_ids=[f"s{step}"], extra_info={"rollout/weight_version": float(gen.weight_version)})
+        return KVBatchMeta(
+            partition_id=f"step_{step:06d}",
+            sample_ids=[f"s{step}"],
+            extra_info={"rollout/weight_version": float(gen.weight_version)},
+        )
 
 
 def _collector(age: int, steps: int, gen: Recorder, *, start: int = 0, produce=None, reuse=None) -> TrajectoryCollector:
-    cfg = config_from_dict({"grpo": {"max_num_steps": steps, "max_trajectory_age_steps": age}, "loss": {"use_importance_sampling_correction": age > 0}})
-    run = RunInfo(run_id="run-1", mlflow_run_id="0" * 32, model_path="/models/base", start_step=start, start_policy_path=f"/ckpt/{start}")
-    return TrajectoryCollector(cfg, run, gen, produce=produce or gen.produce, reuse=reuse or (lambda step: None)).start_collection()
+    cfg = config_from_dict(
+        {
+            "grpo": {"max_num_steps": steps, "max_trajectory_age_steps": age},
+            "loss": {"use_importance_sampling_correction": age > 0},
+        }
+    )
+    run = RunInfo(
+        run_id="run-1",
+        mlflow_run_id="0" * 32,
+        model_path="/models/base",
+        start_step=start,
+        start_policy_path=f"/ckpt/{start}",
+    )
+    return TrajectoryCollector(
+        cfg, run, gen, produce=produce or gen.produce, reuse=reuse or (lambda step: None)
+    ).start_collection()
 
 
 def _publish(c: TrajectoryCollector, step: int) -> None:
@@ -103,7 +120,9 @@ def test_an_error_on_the_thread_reaches_the_trainer_naming_the_step():
 
     c = _collector(1, 3, gen, produce=broken)
     assert c.take(1, timeout=10).weight_version == 0
-    with pytest.raises(RuntimeError, match="the trajectory collector failed generating step 2: OSError: disk full") as err:
+    with pytest.raises(
+        RuntimeError, match="the trajectory collector failed generating step 2: OSError: disk full"
+    ) as err:
         c.take(2, timeout=10)
     assert isinstance(err.value.__cause__, OSError)
     c.stop()
@@ -128,7 +147,11 @@ def test_batches_found_in_the_data_plane_are_taken_not_generated_again():
     def reuse(step: int) -> KVBatchMeta | None:
         if step not in found:
             return None
-        return KVBatchMeta(partition_id=f"step_{step:06d}", sample_ids=[f"s{step}"], extra_info={"rollout/weight_version": float(found[step])})
+        return KVBatchMeta(
+            partition_id=f"step_{step:06d}",
+            sample_ids=[f"s{step}"],
+            extra_info={"rollout/weight_version": float(found[step])},
+        )
 
     c = _collector(2, 5, gen, start=2, reuse=reuse)
     try:

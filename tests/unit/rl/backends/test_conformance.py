@@ -31,7 +31,12 @@ def _cfg(tmp: Path | None = None, **generation):
             "model": {"precision": "float32"},
             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
             # the contract's reproducibility, asked for: vLLM seeds its requests on CUDA only when told to
-            "generation": {"max_new_tokens": 6, "temperature": 0.7, "vllm_cfg": {"seed_per_request": True}, **generation},
+            "generation": {
+                "max_new_tokens": 6,
+                "temperature": 0.7,
+                "vllm_cfg": {"seed_per_request": True},
+                **generation,
+            },
             "optim": {"lr": 1e-2, "logprob_batch_size": 5, "train_micro_batch_size": 4},
             "dataplane": {"root": str(tmp or "unused")},
         }
@@ -73,7 +78,13 @@ def _padded(gen) -> dict[str, torch.Tensor]:
     logprobs = torch.zeros(len(lengths), width)  # [N, S]
     for i, (x, m, lp) in enumerate(zip(gen.input_ids, gen.token_mask, gen.generation_logprobs)):
         ids[i, : len(x)], token_mask[i, : len(x)], logprobs[i, : len(x)] = x, m, lp
-    return {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": torch.ones(len(lengths), dtype=torch.bool), "generation_logprobs": logprobs}
+    return {
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(len(lengths), dtype=torch.bool),
+        "generation_logprobs": logprobs,
+    }
 
 
 def _mult_prob_error(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -108,7 +119,10 @@ def test_a_prompt_past_the_models_positions_is_refused(generator, tiny_model_dir
 
     limit = model_max_len(tiny_model_dir)  # 512: the tiny model's max_position_embeddings
     fits, too_long = [1] * (limit - 6), [1] * (limit - 5)  # + max_new_tokens 6
-    with pytest.raises(ValueError, match=rf"^config generation.max_new_tokens: 6 plus the longest prompt's {limit - 5} tokens is more than the {limit} tokens of the model's max_position_embeddings"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^config generation.max_new_tokens: 6 plus the longest prompt's {limit - 5} tokens is more than the {limit} tokens of the model's max_position_embeddings",
+    ):
         generator.generate([PROMPTS[0], too_long], group_size=1, seed=0)
     assert max(len(ids) for ids in generator.generate([fits], group_size=1, seed=0).input_ids) <= limit
 
@@ -144,7 +158,10 @@ def test_refit_changes_the_weights_in_place_and_from_a_folder(generator, policy,
     old = generator.generate(PROMPTS, group_size=2, seed=1)
     batch = _padded(old)
     before = policy.get_logprobs(batch)
-    batch.update(advantages=torch.randn(batch["input_ids"].shape[0], 1).expand_as(before).contiguous(), reference_policy_logprobs=before)
+    batch.update(
+        advantages=torch.randn(batch["input_ids"].shape[0], 1).expand_as(before).contiguous(),
+        reference_policy_logprobs=before,
+    )
     policy.prepare_for_training()
     policy.train(batch)
     policy.finish_training()
@@ -156,7 +173,9 @@ def test_refit_changes_the_weights_in_place_and_from_a_folder(generator, policy,
     assert generator.weight_version == 1
     warm = generator.generate(PROMPTS, group_size=2, seed=1)
     fresh = _padded(warm)
-    assert _mult_prob_error(policy.get_logprobs(fresh), fresh["generation_logprobs"], fresh["token_mask"]) == pytest.approx(1.0, abs=1e-3)
+    assert _mult_prob_error(
+        policy.get_logprobs(fresh), fresh["generation_logprobs"], fresh["token_mask"]
+    ) == pytest.approx(1.0, abs=1e-3)
 
     folder = str(tmp_path / "step_1")
     policy.save_checkpoint(folder)
@@ -182,7 +201,9 @@ def test_logprobs_are_zero_outside_the_token_mask_and_topk_is_the_plain_forwards
     assert top.topk_logits.shape == top.topk_indices.shape == (n, s - 1, 3) and top.topk_indices.dtype == torch.int64
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        logits = plain(input_ids=batch["input_ids"], attention_mask=(batch["input_ids"] != -1).long()).logits[:, :-1]  # [N, S-1, V]
+        logits = plain(input_ids=batch["input_ids"], attention_mask=(batch["input_ids"] != -1).long()).logits[
+            :, :-1
+        ]  # [N, S-1, V]
     for i, length in enumerate(batch["input_lengths"].tolist()):
         want = logits[i, : length - 1].topk(3, -1)
         assert torch.allclose(top.topk_logits[i, : length - 1], want.values, atol=1e-4)

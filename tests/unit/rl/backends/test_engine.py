@@ -26,24 +26,39 @@ def test_micro_batches_are_consecutive_rows_under_a_row_cap_and_a_padded_token_b
     # padded tokens = rows x longest: [5, 3] -> 10; + 8 would be 24 > 16; [8, 2] -> 16; [2, 9] -> 18 > 16, so 2 alone...
     assert _spans(micro_batch_slices(lengths, max_rows=None, max_tokens=16)) == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7)]
     assert _spans(micro_batch_slices(lengths, max_rows=1, max_tokens=100)) == [(i, i + 1) for i in range(7)]
-    assert _spans(micro_batch_slices(torch.tensor([20, 4]), max_rows=None, max_tokens=10)) == [(0, 1), (1, 2)]  # too long: alone
+    assert _spans(micro_batch_slices(torch.tensor([20, 4]), max_rows=None, max_tokens=10)) == [
+        (0, 1),
+        (1, 2),
+    ]  # too long: alone
     assert micro_batch_slices(torch.zeros(0, dtype=torch.int64), max_rows=4, max_tokens=8) == []
     for cap, budget in ((2, 12), (None, 9), (4, None)):  # invariants: cover 0..n in order, within the limits or one row
         got = micro_batch_slices(lengths, max_rows=cap, max_tokens=budget)
         assert [i for s in got for i in range(s.start, s.stop)] == list(range(7))
         for s in got:
             rows = s.stop - s.start
-            assert rows == 1 or ((cap is None or rows <= cap) and (budget is None or rows * int(lengths[s].max()) <= budget))
+            assert rows == 1 or (
+                (cap is None or rows <= cap) and (budget is None or rows * int(lengths[s].max()) <= budget)
+            )
 
 
 def test_null_limits_resolve_from_the_device_and_set_ones_win():
     from transformers import LlamaConfig
 
-    shape = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    shape = LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
     cfg = config_from_dict({})
     assert micro_batch_limits(cfg, shape, "cpu", train=True) == (32, None)  # the CPU default: 32 rows, no budget
     assert micro_batch_limits(cfg, shape, "cpu", train=False) == (32, None)
-    set_ = config_from_dict({"optim": {"train_micro_batch_size": 4, "train_max_tokens_per_micro_batch": 512, "logprob_max_tokens_per_micro_batch": 64}})
+    set_ = config_from_dict(
+        {
+            "optim": {
+                "train_micro_batch_size": 4,
+                "train_max_tokens_per_micro_batch": 512,
+                "logprob_max_tokens_per_micro_batch": 64,
+            }
+        }
+    )
     assert micro_batch_limits(set_, shape, "cpu", train=True) == (4, 512)
     assert micro_batch_limits(set_, shape, "cpu", train=False) == (None, 64)  # a budget alone: no row cap
     with pytest.raises(ValueError, match=r"optim.train_max_tokens_per_micro_batch.*is 0.*>= 1, or null"):
@@ -71,7 +86,11 @@ def test_an_update_under_a_token_budget_equals_the_row_count_update(tiny_model_d
     batch = grouped_batch(12, 14, prompt=5, seed=3)
     batch["prev_logprobs"] = batch["generation_logprobs"] + 0.01
     results = []
-    for optim in ({"train_micro_batch_size": 4}, {"train_max_tokens_per_micro_batch": 30}, {"train_max_tokens_per_micro_batch": 10**6}):
+    for optim in (
+        {"train_micro_batch_size": 4},
+        {"train_max_tokens_per_micro_batch": 30},
+        {"train_max_tokens_per_micro_batch": 10**6},
+    ):
         model = copy.deepcopy(base)
         cfg = _cfg(**optim)
         opt, sched = make_optimizer(model, cfg)
@@ -132,9 +151,17 @@ def test_sequence_errors_before_and_after_the_error_mask_skip_empty_responses(ti
     cfg = _cfg(train_micro_batch_size=4)
     cfg.loss.seq_logprob_error_threshold = 2.0
     metrics = train_on_batch(model, *make_optimizer(model, cfg), batch, cfg)
-    assert metrics["min_seq_mult_prob_error"] == pytest.approx(1.0) and metrics["max_seq_mult_prob_error"] == pytest.approx(math.exp(2))
-    assert metrics["mean_seq_mult_prob_error"] == pytest.approx((8 + 2 * math.exp(2)) / 10)  # rows 1-3, 6-8, 10, 11 and 4, 5
-    assert metrics["max_seq_mult_prob_error_after_mask"] == pytest.approx(1.0) == metrics["min_seq_mult_prob_error_after_mask"]
+    assert metrics["min_seq_mult_prob_error"] == pytest.approx(1.0) and metrics[
+        "max_seq_mult_prob_error"
+    ] == pytest.approx(math.exp(2))
+    assert metrics["mean_seq_mult_prob_error"] == pytest.approx(
+        (8 + 2 * math.exp(2)) / 10
+    )  # rows 1-3, 6-8, 10, 11 and 4, 5
+    assert (
+        metrics["max_seq_mult_prob_error_after_mask"]
+        == pytest.approx(1.0)
+        == metrics["min_seq_mult_prob_error_after_mask"]
+    )
     assert metrics["num_masked_seqs_by_logprob_error"] == 2.0  # rows 4 and 5
     cfg.loss.seq_logprob_error_threshold = None
     plain = train_on_batch(model, *make_optimizer(model, cfg), batch, cfg)
@@ -147,11 +174,39 @@ def test_step_metrics_divide_per_sequence_sums_by_sequences():
 
     errors = (torch.tensor([1.0, 2.0]), torch.tensor([1.0]))
     ranks = [
-        ({"sampling_importance_ratio": 3.0, "probs_ratio": 4.0, "valid_toks": 4.0, "valid_seqs": 2.0, "clip_fraction/low": 1.0}, [0.5], errors, 1),
-        ({"sampling_importance_ratio": 1.0, "probs_ratio": 4.0, "valid_toks": 4.0, "valid_seqs": 2.0, "clip_fraction/low": 0.0}, [0.25], errors, 0),
+        (
+            {
+                "sampling_importance_ratio": 3.0,
+                "probs_ratio": 4.0,
+                "valid_toks": 4.0,
+                "valid_seqs": 2.0,
+                "clip_fraction/low": 1.0,
+            },
+            [0.5],
+            errors,
+            1,
+        ),
+        (
+            {
+                "sampling_importance_ratio": 1.0,
+                "probs_ratio": 4.0,
+                "valid_toks": 4.0,
+                "valid_seqs": 2.0,
+                "clip_fraction/low": 0.0,
+            },
+            [0.25],
+            errors,
+            0,
+        ),
     ]
     tokens = combine_step_metrics(ranks, masking=False)
     seqs = combine_step_metrics(ranks, masking=True, per_sequence=frozenset({"sampling_importance_ratio"}))
-    assert tokens["sampling_importance_ratio"] == 0.5 and seqs["sampling_importance_ratio"] == 1.0  # 4 / 8 tokens, 4 / 4 sequences
+    assert (
+        tokens["sampling_importance_ratio"] == 0.5 and seqs["sampling_importance_ratio"] == 1.0
+    )  # 4 / 8 tokens, 4 / 4 sequences
     assert tokens["probs_ratio"] == 1.0 and tokens["clip_fraction/low"] == 0.125 and tokens["loss"] == 0.75
-    assert seqs["max_seq_mult_prob_error"] == 2.0 and seqs["max_seq_mult_prob_error_after_mask"] == 1.0 and seqs["num_masked_seqs_by_logprob_error"] == 1.0
+    assert (
+        seqs["max_seq_mult_prob_error"] == 2.0
+        and seqs["max_seq_mult_prob_error_after_mask"] == 1.0
+        and seqs["num_masked_seqs_by_logprob_error"] == 1.0
+    )

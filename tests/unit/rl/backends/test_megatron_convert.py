@@ -45,11 +45,21 @@ def _hf_model(name: str):
     """(config, model) of a tiny HF model; every weight random (norms near 1, biases too) so that a swap shows."""
     import transformers
 
-    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    sizes = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     if name == "qwen2":
         config, cls = transformers.Qwen2Config(**sizes, tie_word_embeddings=True), transformers.Qwen2ForCausalLM
     else:
-        config, cls = transformers.LlamaConfig(**sizes, tie_word_embeddings=name == "llama-tied"), transformers.LlamaForCausalLM
+        config, cls = (
+            transformers.LlamaConfig(**sizes, tie_word_embeddings=name == "llama-tied"),
+            transformers.LlamaForCausalLM,
+        )
     torch.manual_seed(0)
     model = cls(config).eval()
     with torch.no_grad():
@@ -90,7 +100,9 @@ def test_hf_megatron_hf_is_bit_identical(hf_models, name, te_layernorm):
     config, model = hf_models[name]
     layout = LlamaLayout.from_hf_config(config)
     mc = hf_to_megatron(model.state_dict(), layout, padded_vocab_size=PADDED, te_layernorm=te_layernorm)
-    layer = [n for n in LAYER_WEIGHTS if "layernorm" not in n] + (["self_attention.linear_qkv.bias"] if name == "qwen2" else [])
+    layer = [n for n in LAYER_WEIGHTS if "layernorm" not in n] + (
+        ["self_attention.linear_qkv.bias"] if name == "qwen2" else []
+    )
     if te_layernorm:  # Transformer Engine fuses each layernorm into the next linear layer
         layer += ["self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"]
     else:
@@ -116,7 +128,9 @@ def test_results_never_alias_their_inputs(hf_models):
         (stage, merge_pipeline_stages([split_pipeline_stage(mc, layout, rank=0, size=2), stage], layout)),
     ]
     for inputs, outputs in pairs:
-        assert not {t.untyped_storage().data_ptr() for t in outputs.values()} & {t.untyped_storage().data_ptr() for t in inputs.values()}
+        assert not {t.untyped_storage().data_ptr() for t in outputs.values()} & {
+            t.untyped_storage().data_ptr() for t in inputs.values()
+        }
 
 
 def test_round_trip_keeps_bfloat16(hf_models):
@@ -141,7 +155,15 @@ def test_megatron_to_hf_is_what_save_pretrained_writes(hf_models, name, tmp_path
 def _hand_layout(vocab_size: int = 2) -> LlamaLayout:
     """One layer, hidden size 1, 4 query heads in 2 groups of head_dim 1, MLP width 2: every row is one number."""
     return LlamaLayout(
-        num_layers=1, hidden_size=1, num_attention_heads=4, num_query_groups=2, head_dim=1, ffn_hidden_size=2, vocab_size=vocab_size, tie_word_embeddings=True, qkv_bias=True
+        num_layers=1,
+        hidden_size=1,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=1,
+        ffn_hidden_size=2,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        qkv_bias=True,
     )
 
 
@@ -175,11 +197,23 @@ def test_qkv_and_fc1_by_hand():
     layout = _hand_layout()
     mc = hf_to_megatron(_hand_hf(), layout)
     qkv, fc1 = "decoder.layers.0.self_attention.linear_qkv.", "decoder.layers.0.mlp.linear_fc1.weight"
-    assert mc[qkv + "weight"][:, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]  # group 0: q0 q1 k0 v0, group 1: q2 q3 k1 v1
+    assert mc[qkv + "weight"][:, 0].tolist() == [
+        0,
+        1,
+        10,
+        20,
+        2,
+        3,
+        11,
+        21,
+    ]  # group 0: q0 q1 k0 v0, group 1: q2 q3 k1 v1
     assert mc[qkv + "bias"].tolist() == [100, 101, 110, 120, 102, 103, 111, 121]
     assert mc[fc1][:, 0].tolist() == [30, 31, 40, 41]  # cat(gate, up)
     shards = [shard_tensor_parallel(mc, layout, rank=r, size=2) for r in range(2)]
-    assert [s[qkv + "weight"][:, 0].tolist() for s in shards] == [[0, 1, 10, 20], [2, 3, 11, 21]]  # one query group each
+    assert [s[qkv + "weight"][:, 0].tolist() for s in shards] == [
+        [0, 1, 10, 20],
+        [2, 3, 11, 21],
+    ]  # one query group each
     assert [s[qkv + "bias"].tolist() for s in shards] == [[100, 101, 110, 120], [102, 103, 111, 121]]
     assert [s[fc1][:, 0].tolist() for s in shards] == [[30, 40], [31, 41]]  # cat(gate_r, up_r)
     _assert_identical(megatron_to_hf(merge_tensor_parallel(shards, layout), layout), _hand_hf())
@@ -196,9 +230,14 @@ def test_query_heads_sit_in_their_key_value_group(hf_models):
     for head, group, slot in [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]:
         assert torch.equal(qkv[group, slot], q[head * d : (head + 1) * d])
     for group in range(2):
-        assert torch.equal(qkv[group, 2], k[group * d : (group + 1) * d]) and torch.equal(qkv[group, 3], v[group * d : (group + 1) * d])
+        assert torch.equal(qkv[group, 2], k[group * d : (group + 1) * d]) and torch.equal(
+            qkv[group, 3], v[group * d : (group + 1) * d]
+        )
     layer = "decoder.layers.1."
-    assert torch.equal(mc[layer + "mlp.linear_fc1.weight"], torch.cat([hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]]))
+    assert torch.equal(
+        mc[layer + "mlp.linear_fc1.weight"],
+        torch.cat([hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]]),
+    )
     assert torch.equal(mc[layer + "pre_mlp_layernorm.weight"], hf["model.layers.1.post_attention_layernorm.weight"])
     assert torch.equal(mc[layer + "self_attention.linear_proj.weight"], hf["model.layers.1.self_attn.o_proj.weight"])
 
@@ -219,7 +258,9 @@ def test_tensor_parallel_shards_have_megatrons_shapes_and_merge_back(hf_models, 
         "mlp.linear_fc1.weight": (2 * 128 // 2, 64),
         "mlp.linear_fc2.weight": (64, 128 // 2),
     } | ({"self_attention.linear_qkv.bias": ((4 + 2 * 2) * 16 // 2,)} if layout.qkv_bias else {})
-    want = {EMBEDDING: (PADDED // 2, 64), "decoder.final_layernorm.weight": (64,)} | ({} if layout.tie_word_embeddings else {OUTPUT_LAYER: (PADDED // 2, 64)})
+    want = {EMBEDDING: (PADDED // 2, 64), "decoder.final_layernorm.weight": (64,)} | (
+        {} if layout.tie_word_embeddings else {OUTPUT_LAYER: (PADDED // 2, 64)}
+    )
     want |= {f"decoder.layers.{i}.{n}": shape for i in range(2) for n, shape in layer.items()}
     for shard in shards:
         assert {k: tuple(v.shape) for k, v in shard.items()} == want
@@ -232,10 +273,15 @@ def test_merge_tensor_parallel_refuses_layernorms_that_differ(hf_models):
     layout, mc = _megatron(hf_models, "llama-tied")
     shards = [shard_tensor_parallel(mc, layout, rank=r, size=2) for r in range(2)]
     shards[1]["decoder.layers.0.input_layernorm.weight"][3] += 1
-    with pytest.raises(ValueError, match=r"^decoder.layers.0.input_layernorm.weight is replicated over the tensor-parallel ranks but ranks \[1\] differ from rank 0$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^decoder.layers.0.input_layernorm.weight is replicated over the tensor-parallel ranks but ranks \[1\] differ from rank 0$",
+    ):
         merge_tensor_parallel(shards, layout)
     del shards[1][EMBEDDING]
-    with pytest.raises(ValueError, match=r"^tensor-parallel rank 1 has other weights than rank 0: embedding.word_embeddings.weight$"):
+    with pytest.raises(
+        ValueError, match=r"^tensor-parallel rank 1 has other weights than rank 0: embedding.word_embeddings.weight$"
+    ):
         merge_tensor_parallel(shards, layout)
 
 
@@ -245,7 +291,9 @@ def test_shard_tensor_parallel_refuses_an_unpadded_vocabulary():
     msg = r"^embedding.word_embeddings.weight: dimension 0 of shape \(3, 1\) does not split into 2 equal parts \(pad the vocabulary to LlamaLayout.padded_vocab_size\)$"
     with pytest.raises(ValueError, match=msg):
         shard_tensor_parallel(mc, layout, rank=0, size=2)
-    assert shard_tensor_parallel(hf_to_megatron(_hand_hf(vocab_size=3), layout, padded_vocab_size=4), layout, rank=1, size=2)[EMBEDDING].tolist() == [[7], [0]]
+    assert shard_tensor_parallel(
+        hf_to_megatron(_hand_hf(vocab_size=3), layout, padded_vocab_size=4), layout, rank=1, size=2
+    )[EMBEDDING].tolist() == [[7], [0]]
 
 
 # --- pipeline parallelism ----------------------------------------------------------------------------------------------
@@ -254,7 +302,10 @@ def test_shard_tensor_parallel_refuses_an_unpadded_vocabulary():
 def test_pipeline_stage_layers():
     assert [pipeline_stage_layers(4, rank=r, size=2) for r in range(2)] == [range(0, 2), range(2, 4)]
     assert pipeline_stage_layers(4, rank=0, size=1) == range(4)
-    with pytest.raises(ValueError, match=r"^config policy.megatron_cfg.pipeline_model_parallel_size: 3 does not divide the model's 4 layers; use one of 1, 2, 4$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^config policy.megatron_cfg.pipeline_model_parallel_size: 3 does not divide the model's 4 layers; use one of 1, 2, 4$",
+    ):
         pipeline_stage_layers(4, rank=0, size=3)
     with pytest.raises(ValueError, match=r"^pipeline stage 2 does not exist: there are 2 stages$"):
         pipeline_stage_layers(4, rank=2, size=2)
@@ -266,10 +317,16 @@ def test_pipeline_stages_hold_their_layers_and_merge_back(hf_models, name):
     first, last = (split_pipeline_stage(mc, layout, rank=r, size=2) for r in range(2))
     layer = LAYER_WEIGHTS + (["self_attention.linear_qkv.bias"] if layout.qkv_bias else [])
     assert sorted(first) == sorted([EMBEDDING] + [f"decoder.layers.0.{n}" for n in layer])
-    assert sorted(last) == sorted(["decoder.final_layernorm.weight", OUTPUT_LAYER] + [f"decoder.layers.0.{n}" for n in layer])
+    assert sorted(last) == sorted(
+        ["decoder.final_layernorm.weight", OUTPUT_LAYER] + [f"decoder.layers.0.{n}" for n in layer]
+    )
     for n in layer:  # the last stage's local layer 0 is global layer 1
-        assert torch.equal(first[f"decoder.layers.0.{n}"], mc[f"decoder.layers.0.{n}"]) and torch.equal(last[f"decoder.layers.0.{n}"], mc[f"decoder.layers.1.{n}"])
-    assert torch.equal(last[OUTPUT_LAYER], mc[EMBEDDING if layout.tie_word_embeddings else OUTPUT_LAYER])  # tied: megatron's shared copy
+        assert torch.equal(first[f"decoder.layers.0.{n}"], mc[f"decoder.layers.0.{n}"]) and torch.equal(
+            last[f"decoder.layers.0.{n}"], mc[f"decoder.layers.1.{n}"]
+        )
+    assert torch.equal(
+        last[OUTPUT_LAYER], mc[EMBEDDING if layout.tie_word_embeddings else OUTPUT_LAYER]
+    )  # tied: megatron's shared copy
     _assert_identical(merge_pipeline_stages([first, last], layout), mc)
     whole = split_pipeline_stage(mc, layout, rank=0, size=1)
     assert (OUTPUT_LAYER in whole) == (not layout.tie_word_embeddings)  # one stage: no copy of tied embeddings
@@ -284,7 +341,9 @@ def test_merge_pipeline_stages_refuses_a_tied_copy_that_differs(hf_models):
     with pytest.raises(ValueError, match=msg):
         merge_pipeline_stages(stages, layout)
     stages[0]["decoder.final_layernorm.weight"] = stages[1].pop("decoder.final_layernorm.weight")
-    with pytest.raises(ValueError, match=r"^pipeline stage 0 of 2 has decoder.final_layernorm.weight, which belongs to the last stage$"):
+    with pytest.raises(
+        ValueError, match=r"^pipeline stage 0 of 2 has decoder.final_layernorm.weight, which belongs to the last stage$"
+    ):
         merge_pipeline_stages(stages, layout)
 
 
@@ -292,8 +351,17 @@ def test_merge_pipeline_stages_refuses_a_tied_copy_that_differs(hf_models):
 def test_tensor_and_pipeline_parallel_together_merge_back(hf_models, name):
     """Two stages of two tensor-parallel ranks, cut and merged in the order the back-end uses."""
     layout, mc = _megatron(hf_models, name)
-    parts = [[split_pipeline_stage(shard_tensor_parallel(mc, layout, rank=t, size=2), layout, rank=p, size=2) for t in range(2)] for p in range(2)]
-    assert torch.equal(parts[1][1][OUTPUT_LAYER], parts[0][1][EMBEDDING] if layout.tie_word_embeddings else mc[OUTPUT_LAYER][PADDED // 2 :])
+    parts = [
+        [
+            split_pipeline_stage(shard_tensor_parallel(mc, layout, rank=t, size=2), layout, rank=p, size=2)
+            for t in range(2)
+        ]
+        for p in range(2)
+    ]
+    assert torch.equal(
+        parts[1][1][OUTPUT_LAYER],
+        parts[0][1][EMBEDDING] if layout.tie_word_embeddings else mc[OUTPUT_LAYER][PADDED // 2 :],
+    )
     _assert_identical(merge_pipeline_stages([merge_tensor_parallel(stage, layout) for stage in parts], layout), mc)
 
 
@@ -305,11 +373,17 @@ def test_megatron_to_hf_names_unknown_and_missing_keys(hf_models):
     mc["decoder.layers.0.mlp.linear_fc1._extra_state"] = None  # megatron's state_dict() has these: ignored
     mc["decoder.layers.0.mlp.router.weight"] = torch.zeros(1)
     del mc["decoder.final_layernorm.weight"]
-    with pytest.raises(ValueError, match=r"^megatron state dict does not fit the model layout: missing decoder.final_layernorm.weight; unknown decoder.layers.0.mlp.router.weight$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^megatron state dict does not fit the model layout: missing decoder.final_layernorm.weight; unknown decoder.layers.0.mlp.router.weight$",
+    ):
         megatron_to_hf(mc, layout)
     del mc["decoder.layers.0.mlp.router.weight"]
     mc["decoder.final_layernorm.weight"] = torch.ones(63)
-    with pytest.raises(ValueError, match=r"^megatron state dict has wrong shapes: decoder.final_layernorm.weight \(63,\) \(expected \(64,\)\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^megatron state dict has wrong shapes: decoder.final_layernorm.weight \(63,\) \(expected \(64,\)\)$",
+    ):
         megatron_to_hf(mc, layout)
 
 
@@ -319,26 +393,60 @@ def test_hf_to_megatron_names_unknown_and_missing_keys(hf_models):
     hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # older transformers saved these: ignored
     hf["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
     del hf["lm_head.weight"]
-    with pytest.raises(ValueError, match=r"^Hugging Face state dict does not fit the model layout: missing lm_head.weight; unknown model.layers.0.self_attn.o_proj.bias$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Hugging Face state dict does not fit the model layout: missing lm_head.weight; unknown model.layers.0.self_attn.o_proj.bias$",
+    ):
         hf_to_megatron(hf, layout)
     with pytest.raises(ValueError, match=r"^padded_vocab_size 64 is smaller than the vocabulary \(100\)$"):
         hf_to_megatron(model.state_dict(), layout, padded_vocab_size=64)
     tied = hf_models["llama-tied"][1].state_dict() | {"lm_head.weight": torch.zeros(VOCAB, 64)}
-    with pytest.raises(ValueError, match=r"^tie_word_embeddings is set but lm_head.weight differs from model.embed_tokens.weight$"):
+    with pytest.raises(
+        ValueError, match=r"^tie_word_embeddings is set but lm_head.weight differs from model.embed_tokens.weight$"
+    ):
         hf_to_megatron(tied, LlamaLayout.from_hf_config(hf_models["llama-tied"][0]))
 
 
 def _layout(heads: int, groups: int, ffn: int, layers: int = 4) -> LlamaLayout:
-    return LlamaLayout(num_layers=layers, hidden_size=8 * heads, num_attention_heads=heads, num_query_groups=groups, head_dim=8, ffn_hidden_size=ffn, vocab_size=10, tie_word_embeddings=True)
+    return LlamaLayout(
+        num_layers=layers,
+        hidden_size=8 * heads,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=8,
+        ffn_hidden_size=ffn,
+        vocab_size=10,
+        tie_word_embeddings=True,
+    )
 
 
 @pytest.mark.parametrize(
     ("layout", "tp", "pp", "message"),
     [
-        (_layout(9, 3, 48), 2, 1, "tensor_model_parallel_size: 2 does not divide the model's 9 attention heads; use one of 1, 3 (they divide its 9 attention heads, 3 key-value heads and 48 MLP channels)"),
-        (_layout(9, 3, 48), 9, 1, "tensor_model_parallel_size: 9 does not divide the model's 3 key-value heads; use one of 1, 3 (they divide its 9 attention heads, 3 key-value heads and 48 MLP channels)"),
-        (_layout(4, 4, 6), 4, 1, "tensor_model_parallel_size: 4 does not divide the model's 6 MLP channels; use one of 1, 2 (they divide its 4 attention heads, 4 key-value heads and 6 MLP channels)"),
-        (_layout(4, 2, 8, layers=6), 2, 4, "pipeline_model_parallel_size: 4 does not divide the model's 6 layers; use one of 1, 2, 3, 6"),
+        (
+            _layout(9, 3, 48),
+            2,
+            1,
+            "tensor_model_parallel_size: 2 does not divide the model's 9 attention heads; use one of 1, 3 (they divide its 9 attention heads, 3 key-value heads and 48 MLP channels)",
+        ),
+        (
+            _layout(9, 3, 48),
+            9,
+            1,
+            "tensor_model_parallel_size: 9 does not divide the model's 3 key-value heads; use one of 1, 3 (they divide its 9 attention heads, 3 key-value heads and 48 MLP channels)",
+        ),
+        (
+            _layout(4, 4, 6),
+            4,
+            1,
+            "tensor_model_parallel_size: 4 does not divide the model's 6 MLP channels; use one of 1, 2 (they divide its 4 attention heads, 4 key-value heads and 6 MLP channels)",
+        ),
+        (
+            _layout(4, 2, 8, layers=6),
+            2,
+            4,
+            "pipeline_model_parallel_size: 4 does not divide the model's 6 layers; use one of 1, 2, 3, 6",
+        ),
         (_layout(4, 2, 8), 0, 1, "tensor_model_parallel_size: is 0; use 1 or more"),
     ],
 )
@@ -359,14 +467,37 @@ def test_layout_from_hf_configs(hf_models):
     import transformers
 
     assert LlamaLayout.from_hf_config(hf_models["llama-untied"][0]) == LlamaLayout(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16, ffn_hidden_size=128, vocab_size=VOCAB, tie_word_embeddings=False
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=128,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
     )
     qwen2 = LlamaLayout.from_hf_config(hf_models["qwen2"][0])
     assert qwen2.qkv_bias and qwen2.tie_word_embeddings
-    mistral = transformers.MistralConfig(vocab_size=10, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+    mistral = transformers.MistralConfig(
+        vocab_size=10,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     assert LlamaLayout.from_hf_config(mistral).head_dim == 32  # its own head_dim, not hidden_size / heads (16)
     bare = types.SimpleNamespace(
-        model_type="llama", num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=None, head_dim=None, intermediate_size=96, vocab_size=10, tie_word_embeddings=False
+        model_type="llama",
+        num_hidden_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=None,
+        head_dim=None,
+        intermediate_size=96,
+        vocab_size=10,
+        tie_word_embeddings=False,
     )
     mha = LlamaLayout.from_hf_config(bare)
     assert (mha.num_query_groups, mha.head_dim) == (4, 16)  # no key-value heads: multi-head attention
@@ -376,9 +507,15 @@ def test_layout_from_hf_config_refuses_what_it_cannot_map():
     import transformers
 
     tail = "is not supported by the megatron back-end"
-    with pytest.raises(ValueError, match=rf"^model: model_type 'gpt2' {tail} \(only llama, mistral, qwen2 are\); use policy.backend 'transformers'$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^model: model_type 'gpt2' {tail} \(only llama, mistral, qwen2 are\); use policy.backend 'transformers'$",
+    ):
         LlamaLayout.from_hf_config(transformers.GPT2Config())
-    with pytest.raises(ValueError, match=rf"^model: attention_bias=True \(biases on q_proj, k_proj, v_proj and o_proj\) {tail} \(q/k/v biases alone are, as in Qwen2\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^model: attention_bias=True \(biases on q_proj, k_proj, v_proj and o_proj\) {tail} \(q/k/v biases alone are, as in Qwen2\)",
+    ):
         LlamaLayout.from_hf_config(transformers.LlamaConfig(attention_bias=True))
     with pytest.raises(ValueError, match=rf"^model: mlp_bias=True \(biases on the MLP projections\) {tail}"):
         LlamaLayout.from_hf_config(transformers.LlamaConfig(mlp_bias=True))
@@ -388,7 +525,15 @@ def test_layout_from_hf_config_refuses_what_it_cannot_map():
 
 @pytest.mark.parametrize(
     ("vocab", "multiple", "tp", "padded"),
-    [(100, 128, 1, 128), (100, 64, 2, 128), (100, 128, 2, 256), (128, 128, 1, 128), (49152, 128, 8, 49152), (151936, 128, 1, 151936), (151936, 128, 3, 152064)],
+    [
+        (100, 128, 1, 128),
+        (100, 64, 2, 128),
+        (100, 128, 2, 256),
+        (128, 128, 1, 128),
+        (49152, 128, 8, 49152),
+        (151936, 128, 1, 151936),
+        (151936, 128, 3, 152064),
+    ],
 )
 def test_padded_vocab_size_is_megatrons(vocab, multiple, tp, padded):
     """Megatron-LM's ``_vocab_size_with_padding``: the next multiple of ``multiple * tp`` (SmolLM2's 49152, Qwen2.5's 151936)."""
@@ -454,12 +599,17 @@ def _gathered_logits(gpt, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _load_into_gpt_model(layout: LlamaLayout, hf: dict[str, torch.Tensor], eps: float, ids: torch.Tensor, tp: int, pp: int) -> dict:
+def _load_into_gpt_model(
+    layout: LlamaLayout, hf: dict[str, torch.Tensor], eps: float, ids: torch.Tensor, tp: int, pp: int
+) -> dict:
     """Build this rank's GPTModel stage, load its converted share of ``hf``; report the model's own weights (before and
     after), the load result, and (one stage) its logits."""
     from megatron.core import parallel_state
 
-    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank, pp_rank = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
     mc = shard_tensor_parallel(hf_to_megatron(hf, layout, padded_vocab_size=PADDED), layout, rank=tp_rank, size=tp)
     mine = split_pipeline_stage(mc, layout, rank=pp_rank, size=pp)
     with megatron_on_cpu():  # tests/megatron_cpu.py: megatron-core's CUDA placements on the CPU
@@ -508,7 +658,9 @@ def megatron_ranks(request, hf_models, tmp_path_factory):
 
     tp, pp = request.param
     folder = tmp_path_factory.mktemp(f"megatron-tp{tp}-pp{pp}")
-    models = {name: (LlamaLayout.from_hf_config(c), m.state_dict(), c.rms_norm_eps) for name, (c, m) in hf_models.items()}
+    models = {
+        name: (LlamaLayout.from_hf_config(c), m.state_dict(), c.rms_norm_eps) for name, (c, m) in hf_models.items()
+    }
     torch.save({"models": models, "ids": _ids()}, folder / "inputs.pt")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")
@@ -548,7 +700,9 @@ def test_gpt_model_computes_the_hf_logits(megatron_ranks, hf_models, name):
     """The forward pass confirms the mapping: megatron's logits on the loaded weights are HF's (float32 round-off)."""
     tp, pp, reports = megatron_ranks
     if pp > 1:
-        pytest.skip("a pipeline runs its forward through megatron's schedule: tests/unit/rl/backends/test_megatron_policy.py checks it")
+        pytest.skip(
+            "a pipeline runs its forward through megatron's schedule: tests/unit/rl/backends/test_megatron_policy.py checks it"
+        )
     with torch.no_grad():
         want = hf_models[name][1](_ids()).logits  # [B, S, V]
     for report in (r[name] for r in reports):
@@ -563,7 +717,9 @@ def test_last_pipeline_stage_starts_with_a_copy_of_the_tied_embeddings(megatron_
     ``output_layer.weight`` is the first stage's word embeddings (all-reduced at construction)."""
     tp, pp, reports = megatron_ranks
     if pp == 1:
-        assert all(OUTPUT_LAYER not in r[name]["fresh"] for r in reports)  # one stage: the embedding is the output layer
+        assert all(
+            OUTPUT_LAYER not in r[name]["fresh"] for r in reports
+        )  # one stage: the embedding is the output layer
         return
     first, last = reports[0][name]["fresh"], reports[-1][name]["fresh"]
     assert EMBEDDING not in last and OUTPUT_LAYER not in first

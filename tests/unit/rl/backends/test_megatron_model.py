@@ -19,8 +19,14 @@ def _tiny_llama(path, *, tied: bool) -> str:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
     )
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
@@ -32,25 +38,37 @@ def _round_trip(rank: int, model_dir: str, out: str) -> None:
 
     from rl import checkpoint
     from rl.backends.megatron.convert import LlamaLayout
-    from rl.backends.megatron.model import HFFolder, build_gpt_model, gather_hf_state_dict, init_model_parallel, load_hf_state_dict
+    from rl.backends.megatron.model import (
+        HFFolder,
+        build_gpt_model,
+        gather_hf_state_dict,
+        init_model_parallel,
+        load_hf_state_dict,
+    )
     from rl.config import MegatronConfig
     from tests.megatron_cpu import megatron_on_cpu
 
     del rank
     torch.set_num_threads(1)
-    mcfg = MegatronConfig(make_vocab_size_divisible_by=64)  # 100 ids padded to 128: the padding is dropped on the way out
+    mcfg = MegatronConfig(
+        make_vocab_size_divisible_by=64
+    )  # 100 ids padded to 128: the padding is dropped on the way out
     init_model_parallel(mcfg, seed=0)  # no process group yet: starts a one-rank one
     init_model_parallel(mcfg, seed=0)  # again: nothing to do
     hf_config = AutoConfig.from_pretrained(model_dir)
     layout = LlamaLayout.from_hf_config(hf_config)
     model = build_gpt_model(layout, hf_config, mcfg, device="cpu")
     assert model.embedding.word_embeddings.weight.shape == (128, 64)
-    assert float(model.rotary_pos_emb.inv_freq[1]) == pytest.approx(50000.0 ** (-2 / 16))  # rope_theta reached the model
+    assert float(model.rotary_pos_emb.inv_freq[1]) == pytest.approx(
+        50000.0 ** (-2 / 16)
+    )  # rope_theta reached the model
     load_hf_state_dict(model, AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), layout, mcfg)
     # the core attention is torch's SDPA, with the local spec's unfused attention's values (4 heads, 2 key-value groups)
     attention = model.decoder.layers[0].self_attention.core_attention
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(7, 3, heads, 16, generator=gen, dtype=torch.float64) for heads in (4, 2, 2))  # [s, b, heads, head_dim]
+    q, k, v = (
+        torch.randn(7, 3, heads, 16, generator=gen, dtype=torch.float64) for heads in (4, 2, 2)
+    )  # [s, b, heads, head_dim]
     parent = type(attention).__mro__[1]
     with megatron_on_cpu():  # the parent's score buffer is placed on CUDA otherwise
         sdpa_diff = (attention(q, k, v, None) - parent.forward(attention, q, k, v, None)).abs().max().item()
@@ -61,12 +79,25 @@ def _round_trip(rank: int, model_dir: str, out: str) -> None:
     opt.step()
     state = checkpoint.TrainerState(step=3, mlflow_run_id="r", extra={})
     shards = checkpoint.ShardedOptimizerState({"megatron-tp0-pp0": opt.state_dict()})
-    checkpoint.save(f"{out}/ckpt", model=HFFolder(hf_config, gathered), tokenizer=_NoTokenizer(), optimizer=shards, state=state)
+    checkpoint.save(
+        f"{out}/ckpt", model=HFFolder(hf_config, gathered), tokenizer=_NoTokenizer(), optimizer=shards, state=state
+    )
     again = torch.optim.AdamW(model.parameters())
     checkpoint.load_trainer_state(f"{out}/ckpt", again, None, shard="megatron-tp0-pp0")
     saved, loaded = opt.state_dict()["state"], again.state_dict()["state"]
-    same = saved.keys() == loaded.keys() and all(saved[i].keys() == loaded[i].keys() and all(torch.equal(saved[i][k], loaded[i][k]) for k in saved[i]) for i in saved)
-    torch.save({"gathered": gathered, "optimizer_state_equal": same, "attention": type(attention).__name__, "sdpa_diff": sdpa_diff}, f"{out}/result.pt")
+    same = saved.keys() == loaded.keys() and all(
+        saved[i].keys() == loaded[i].keys() and all(torch.equal(saved[i][k], loaded[i][k]) for k in saved[i])
+        for i in saved
+    )
+    torch.save(
+        {
+            "gathered": gathered,
+            "optimizer_state_equal": same,
+            "attention": type(attention).__name__,
+            "sdpa_diff": sdpa_diff,
+        },
+        f"{out}/result.pt",
+    )
 
 
 class _NoTokenizer:
@@ -102,23 +133,51 @@ def test_the_trainer_state_of_one_back_end_is_refused_by_the_other(tmp_path):
     state = checkpoint.TrainerState(step=1, mlflow_run_id="r", extra={})
     checkpoint.save(str(tmp_path / "plain"), model=model, tokenizer=_NoTokenizer(), optimizer=opt, state=state)
     checkpoint.save(
-        str(tmp_path / "sharded"), model=model, tokenizer=_NoTokenizer(), optimizer=checkpoint.ShardedOptimizerState({"megatron-tp0-pp0": opt.state_dict()}), state=state
+        str(tmp_path / "sharded"),
+        model=model,
+        tokenizer=_NoTokenizer(),
+        optimizer=checkpoint.ShardedOptimizerState({"megatron-tp0-pp0": opt.state_dict()}),
+        state=state,
     )
-    with pytest.raises(RuntimeError, match=r"holds one unsplit optimizer \(the transformers back-end\), but this policy needs shard 'megatron-tp0-pp0'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"holds one unsplit optimizer \(the transformers back-end\), but this policy needs shard 'megatron-tp0-pp0'",
+    ):
         checkpoint.load_trainer_state(str(tmp_path / "plain"), opt, None, shard="megatron-tp0-pp0")
-    with pytest.raises(RuntimeError, match=r"holds the shards \['megatron-tp0-pp0'\], but this policy needs one unsplit optimizer"):
+    with pytest.raises(
+        RuntimeError, match=r"holds the shards \['megatron-tp0-pp0'\], but this policy needs one unsplit optimizer"
+    ):
         checkpoint.load_trainer_state(str(tmp_path / "sharded"), opt, None)
-    with pytest.raises(RuntimeError, match=r"needs shard 'megatron-tp1-pp0' .*resume with the policy.backend and policy.megatron_cfg parallel sizes"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs shard 'megatron-tp1-pp0' .*resume with the policy.backend and policy.megatron_cfg parallel sizes",
+    ):
         checkpoint.load_trainer_state(str(tmp_path / "sharded"), opt, None, shard="megatron-tp1-pp0")
 
 
 @pytest.mark.parametrize(
     ("change", "mcfg", "match"),
     [
-        ({"hidden_act": "gelu"}, {}, r"model: hidden_act 'gelu' is not supported by the megatron back-end .*use policy.backend 'transformers'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, {}, r"RoPE .*yarn.* is not supported .*use policy.backend 'transformers'"),
-        ({"model_type": "gpt2"}, {}, r"model_type 'gpt2' is not supported by the megatron back-end \(only llama, mistral, qwen2 are\)"),
-        ({}, {"tensor_model_parallel_size": 2}, r"tensor_model_parallel_size: 2 does not divide the model's 9 attention heads; use one of 1, 3"),
+        (
+            {"hidden_act": "gelu"},
+            {},
+            r"model: hidden_act 'gelu' is not supported by the megatron back-end .*use policy.backend 'transformers'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            {},
+            r"RoPE .*yarn.* is not supported .*use policy.backend 'transformers'",
+        ),
+        (
+            {"model_type": "gpt2"},
+            {},
+            r"model_type 'gpt2' is not supported by the megatron back-end \(only llama, mistral, qwen2 are\)",
+        ),
+        (
+            {},
+            {"tensor_model_parallel_size": 2},
+            r"tensor_model_parallel_size: 2 does not divide the model's 9 attention heads; use one of 1, 3",
+        ),
         ({}, {"pipeline_model_parallel_size": 4}, r"pipeline_model_parallel_size: 4 does not divide"),
     ],
 )
@@ -129,12 +188,25 @@ def test_start_run_refuses_what_the_megatron_backend_cannot_run(change, mcfg, ma
     from rl.backends.megatron.model import check_model
     from rl.config import MegatronConfig
 
-    config = LlamaConfig(vocab_size=100, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )
     for k, v in change.items():
         setattr(config, k, v)
     with pytest.raises(ValueError, match=match):
         check_model(config, MegatronConfig(**mcfg))
-    assert check_model(LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, intermediate_size=1536), MegatronConfig(tensor_model_parallel_size=3)).num_query_groups == 3
+    assert (
+        check_model(
+            LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, intermediate_size=1536),
+            MegatronConfig(tensor_model_parallel_size=3),
+        ).num_query_groups
+        == 3
+    )
 
 
 def test_llama3_rope_scaling_maps_to_megatrons():
@@ -142,7 +214,16 @@ def test_llama3_rope_scaling_maps_to_megatrons():
 
     from rl.backends.megatron.model import rope_settings
 
-    config = LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    config = LlamaConfig(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    )
     assert rope_settings(config) == {"rotary_base": 500000.0, "rope_scaling": True, "rope_scaling_factor": 32.0}
 
 
@@ -159,7 +240,9 @@ def test_the_megatron_head_matmul_is_a_linear_layer_in_the_compute_dtype_with_fl
     assert out.dtype == torch.float32 and out.shape == (5, 40)
     xr, wr = (t.detach().to(dtype).double().requires_grad_() for t in (x, w))
     ref = xr @ wr.T
-    assert (out.double() - ref).abs().max().item() < (0.1 if dtype == torch.bfloat16 else 1e-5)  # bf16 product rounded once
+    assert (out.double() - ref).abs().max().item() < (
+        0.1 if dtype == torch.bfloat16 else 1e-5
+    )  # bf16 product rounded once
     grad = torch.randn(5, 40, generator=gen)
     out.backward(grad)
     ref.backward(grad.double())

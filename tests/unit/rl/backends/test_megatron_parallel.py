@@ -63,7 +63,9 @@ def _tensor_parallel_rank(rank: int, world: int, store: str, out: str) -> None:
         mine = logits[..., rank * 6 : (rank + 1) * 6].clone().requires_grad_(True)  # [3, 5, 6]
         lp = vocab_parallel_token_logprobs(mine, targets, vocab_size=VOCAB, temperature=0.7)  # [3, 5]
         (lp * torch.arange(15.0).reshape(3, 5)).sum().backward()
-        values, indices = vocab_parallel_topk(logits[..., rank * 6 : (rank + 1) * 6].reshape(15, 6), 4, vocab_size=VOCAB)
+        values, indices = vocab_parallel_topk(
+            logits[..., rank * 6 : (rank + 1) * 6].reshape(15, 6), 4, vocab_size=VOCAB
+        )
         torch.save({"lp": lp.detach(), "grad": mine.grad, "values": values, "indices": indices}, f"{out}/rank{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
@@ -114,7 +116,9 @@ def _context_parallel_rank(rank: int, world: int, store: str, out: str) -> None:
     try:
         batch = _batch()
         n = int(batch["input_lengths"].shape[0])
-        micro = _micro_batches(batch, [slice(a, min(a + 2, n)) for a in range(0, n, 2)], MegatronConfig(context_parallel_size=2))
+        micro = _micro_batches(
+            batch, [slice(a, min(a + 2, n)) for a in range(0, n, 2)], MegatronConfig(context_parallel_size=2)
+        )
         torch.save(micro, f"{out}/rank{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
@@ -144,16 +148,23 @@ def test_micro_batches_split_over_context_parallel_ranks_put_back_are_the_shifte
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     batch = _batch()
     assert [len(r) for r in ranks] == [2, 2]  # rows 0-1, then row 2
-    for i, (rows, width) in enumerate([(slice(0, 2), 12), (slice(2, 3), 4)]):  # each cut to its longest row, a multiple of 4
+    for i, (rows, width) in enumerate(
+        [(slice(0, 2), 12), (slice(2, 3), 4)]
+    ):  # each cut to its longest row, a multiple of 4
         mbs = [r[i] for r in ranks]
         assert int(mbs[0]["full_length"]) == width
-        whole = {k: context_parallel_merge([mb[k] for mb in mbs]) for k in ("input_ids", "targets", "token_mask", "advantages", "position_ids")}
+        whole = {
+            k: context_parallel_merge([mb[k] for mb in mbs])
+            for k in ("input_ids", "targets", "token_mask", "advantages", "position_ids")
+        }
         m = rows.stop - rows.start
         ids = batch["input_ids"][rows]
         assert torch.equal(whole["input_ids"][:, : ids.shape[1]], ids[:, :width])
-        assert torch.equal(whole["targets"][:, : ids.shape[1] - 1], ids[:, 1:width + 1])  # entry p: the token at p + 1
-        assert torch.equal(whole["token_mask"][:, : ids.shape[1] - 1], batch["token_mask"][rows, 1:width + 1])
-        assert torch.equal(whole["advantages"][:, : ids.shape[1] - 1], batch["advantages"][rows, 1:width + 1])
+        assert torch.equal(
+            whole["targets"][:, : ids.shape[1] - 1], ids[:, 1 : width + 1]
+        )  # entry p: the token at p + 1
+        assert torch.equal(whole["token_mask"][:, : ids.shape[1] - 1], batch["token_mask"][rows, 1 : width + 1])
+        assert torch.equal(whole["advantages"][:, : ids.shape[1] - 1], batch["advantages"][rows, 1 : width + 1])
         assert not whole["token_mask"][:, ids.shape[1] - 1 :].any()  # padding predicts nothing
         assert torch.equal(whole["position_ids"], torch.arange(width).expand(m, width))
         assert torch.equal(mbs[0]["sample_mask"], batch["sample_mask"][rows])

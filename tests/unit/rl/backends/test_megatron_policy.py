@@ -32,7 +32,10 @@ class _Tokenizer:
 def _cfg(root: str, backend: str, tp: int = 1, pp: int = 1, world: int | None = None, loss: dict | None = None):
     policy = {"backend": backend}
     if backend == "megatron":
-        policy |= {"nproc_per_node": world or tp * pp, "megatron_cfg": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
+        policy |= {
+            "nproc_per_node": world or tp * pp,
+            "megatron_cfg": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        }
     return config_from_dict(
         {
             "model": {"precision": "float32"},
@@ -61,7 +64,12 @@ def _batch() -> dict[str, torch.Tensor]:
 
 def _train_batch(logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
     batch = _batch()
-    return {**batch, "prev_logprobs": logprobs, "reference_policy_logprobs": logprobs - 0.05 * batch["token_mask"], "generation_logprobs": logprobs}
+    return {
+        **batch,
+        "prev_logprobs": logprobs,
+        "reference_policy_logprobs": logprobs - 0.05 * batch["token_mask"],
+        "generation_logprobs": logprobs,
+    }
 
 
 def _steps(policy, batch, n: int) -> list[dict[str, float]]:
@@ -88,7 +96,11 @@ def _megatron_rank(rank: int, world: int, tp: int, pp: int, model_dir: str, fold
         policy = MegatronPolicy(cfg, tokenizer=_Tokenizer(), reference_path=model_dir)
         policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=True)
         batch = _batch()
-        report = {"writes": policy.writes_outputs(), "logprobs": policy.get_logprobs(batch), "topk": policy.get_topk_logits(batch, 4)}
+        report = {
+            "writes": policy.writes_outputs(),
+            "logprobs": policy.get_logprobs(batch),
+            "topk": policy.get_topk_logits(batch, 4),
+        }
         report["reference"] = policy.get_reference_policy_logprobs(batch)
         report["metrics"] = _steps(policy, _train_batch(prev), 2)
         policy.prepare_checkpoint(with_trainer_state=True)
@@ -114,7 +126,15 @@ def model_dir(tmp_path_factory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("tiny") / "model"
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
@@ -125,7 +145,9 @@ def transformers_backend(model_dir, tmp_path_factory) -> dict:
     """The reference: the transformers back-end on the same batch and updates, in this process."""
     from rl.backends.hf.policy import HFPolicy
 
-    policy = HFPolicy(_cfg(str(tmp_path_factory.mktemp("hf")), "transformers"), tokenizer=_Tokenizer(), reference_path=model_dir)
+    policy = HFPolicy(
+        _cfg(str(tmp_path_factory.mktemp("hf")), "transformers"), tokenizer=_Tokenizer(), reference_path=model_dir
+    )
     policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=True)
     batch = _batch()
     out = {"logprobs": policy.get_logprobs(batch), "topk": policy.get_topk_logits(batch, 4)}
@@ -135,7 +157,9 @@ def transformers_backend(model_dir, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
-def test_megatron_matches_the_transformers_backend_and_resumes_exactly(model_dir, transformers_backend, tmp_path, tp, pp):
+def test_megatron_matches_the_transformers_backend_and_resumes_exactly(
+    model_dir, transformers_backend, tmp_path, tp, pp
+):
     import torch.multiprocessing as mp
 
     hf = transformers_backend
@@ -145,14 +169,19 @@ def test_megatron_matches_the_transformers_backend_and_resumes_exactly(model_dir
     writers = [r for r in ranks if r["writes"]]
     assert len(writers) == 1  # one rank writes the replica's logprobs: tensor-parallel rank 0 of the last stage
     mine = writers[0]
-    assert torch.allclose(mine["logprobs"], hf["logprobs"], atol=1e-5) and (mine["logprobs"][~_batch()["token_mask"]] == 0).all()
+    assert (
+        torch.allclose(mine["logprobs"], hf["logprobs"], atol=1e-5)
+        and (mine["logprobs"][~_batch()["token_mask"]] == 0).all()
+    )
     assert torch.equal(mine["reference"], mine["logprobs"])  # step 0: the policy is the reference policy
     assert torch.allclose(mine["topk"].topk_logits, hf["topk"].topk_logits, atol=1e-5)
     assert torch.equal(mine["topk"].topk_indices, hf["topk"].topk_indices)
     for r in ranks:  # every rank reports the step's metrics
         for got, want in zip(r["metrics"], hf["metrics"], strict=True):
             assert got.keys() == want.keys()
-            assert got["global_valid_toks"] == want["global_valid_toks"] == 52 - 10  # lengths - 4 prompt tokens; row 4 (10) is masked
+            assert (
+                got["global_valid_toks"] == want["global_valid_toks"] == 52 - 10
+            )  # lengths - 4 prompt tokens; row 4 (10) is masked
             for key in ("loss", "grad_norm", "kl_penalty", "probs_ratio", "approx_entropy", "lr"):
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
     weights = ranks[0]["weights"]
@@ -160,13 +189,20 @@ def test_megatron_matches_the_transformers_backend_and_resumes_exactly(model_dir
     assert max(float((weights[k] - hf["weights"][k]).abs().max()) for k in weights) < 1e-4  # 4 AdamW updates at lr 1e-3
     moved = max(float((weights[k] - _initial(model_dir)[k]).abs().max()) for k in _initial(model_dir))
     assert moved > 3e-3  # the updates moved the weights: the comparison is not between untouched models
-    assert all(torch.equal(ranks[0]["continued"][k], ranks[0]["resumed"][k]) for k in weights)  # the checkpoint resumes exactly
+    assert all(
+        torch.equal(ranks[0]["continued"][k], ranks[0]["resumed"][k]) for k in weights
+    )  # the checkpoint resumes exactly
 
 
 VARIANT_LOSSES = {
     "gspo_reverse_k1_corrected": {
-        "loss_type": "grpo", "importance_sampling_level": "sequence", "ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4,
-        "reference_policy_kl_type": "k1", "reference_policy_kl_gradient": "reverse_kl", "use_importance_sampling_correction": True,
+        "loss_type": "grpo",
+        "importance_sampling_level": "sequence",
+        "ratio_clip_min": 3e-4,
+        "ratio_clip_max": 4e-4,
+        "reference_policy_kl_type": "k1",
+        "reference_policy_kl_gradient": "reverse_kl",
+        "use_importance_sampling_correction": True,
     },
     "cispo": {"loss_type": "cispo", "ratio_clip_min": 1.0, "ratio_clip_max": 0.01},
     "dr_grpo": {"loss_type": "dr_grpo"},
@@ -177,7 +213,10 @@ def _variant_batch(logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
     """Generation logprobs off the trainer's: the importance weights and (in the second update) the ratios move."""
     g = torch.Generator().manual_seed(1)
     batch = _train_batch(logprobs)
-    return {**batch, "generation_logprobs": logprobs + 0.05 * torch.randn(logprobs.shape, generator=g) * batch["token_mask"]}
+    return {
+        **batch,
+        "generation_logprobs": logprobs + 0.05 * torch.randn(logprobs.shape, generator=g) * batch["token_mask"],
+    }
 
 
 def _variant_rank(rank: int, world: int, model_dir: str, folder: str, prev: torch.Tensor, loss: dict) -> None:
@@ -189,16 +228,23 @@ def _variant_rank(rank: int, world: int, model_dir: str, folder: str, prev: torc
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     with megatron_on_cpu():
-        policy = MegatronPolicy(_cfg(folder, "megatron", tp=2, loss=loss), tokenizer=_Tokenizer(), reference_path=model_dir)
+        policy = MegatronPolicy(
+            _cfg(folder, "megatron", tp=2, loss=loss), tokenizer=_Tokenizer(), reference_path=model_dir
+        )
         policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=True)
         metrics = _steps(policy, _variant_batch(prev), 1)
         policy.prepare_checkpoint(with_trainer_state=False)
-        torch.save({"metrics": metrics, "weights": dict(policy.named_weights()) if rank == 0 else None}, f"{folder}/rank{rank}.pt")
+        torch.save(
+            {"metrics": metrics, "weights": dict(policy.named_weights()) if rank == 0 else None},
+            f"{folder}/rank{rank}.pt",
+        )
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANT_LOSSES))
-def test_megatron_trains_the_loss_variants_as_the_transformers_backend(model_dir, transformers_backend, tmp_path, variant):
+def test_megatron_trains_the_loss_variants_as_the_transformers_backend(
+    model_dir, transformers_backend, tmp_path, variant
+):
     """GSPO with NeMo-RL's KL gradient and the off-policy correction, CISPO with its weight clipped, Dr. GRPO: two
     tensor-parallel ranks make the transformers back-end's update (two optimizer updates, the second off-policy)."""
     import torch.multiprocessing as mp
@@ -207,12 +253,23 @@ def test_megatron_trains_the_loss_variants_as_the_transformers_backend(model_dir
 
     loss = VARIANT_LOSSES[variant]
     prev = transformers_backend["logprobs"]
-    hf = HFPolicy(_cfg(str(tmp_path / "hf"), "transformers", loss=loss), tokenizer=_Tokenizer(), reference_path=model_dir)
+    hf = HFPolicy(
+        _cfg(str(tmp_path / "hf"), "transformers", loss=loss), tokenizer=_Tokenizer(), reference_path=model_dir
+    )
     hf.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=True)
     (want,) = _steps(hf, _variant_batch(prev), 1)
     mp.spawn(_variant_rank, args=(2, model_dir, str(tmp_path), prev, loss), nprocs=2, join=True)
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    for key in ("loss", "grad_norm", "kl_penalty", "probs_ratio", "sampling_importance_ratio", "clip_fraction/low", "clip_fraction/high", "approx_entropy"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "kl_penalty",
+        "probs_ratio",
+        "sampling_importance_ratio",
+        "clip_fraction/low",
+        "clip_fraction/high",
+        "approx_entropy",
+    ):
         assert got["metrics"][0][key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
     assert abs(want["probs_ratio"] - 1) > 1e-3  # the second update ran off-policy (its ratios left GSPO's clip range)
     weights = dict(hf.named_weights())
@@ -252,7 +309,16 @@ def _data_plane_rank(rank: int, world: int, model_dir: str, folder: str) -> None
             dp.put(
                 "step_000001",
                 {
-                    **{k: nested(batch[k]) for k in (F.INPUT_IDS, F.TOKEN_MASK, F.GENERATION_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS, F.ADVANTAGES)},
+                    **{
+                        k: nested(batch[k])
+                        for k in (
+                            F.INPUT_IDS,
+                            F.TOKEN_MASK,
+                            F.GENERATION_LOGPROBS,
+                            F.REFERENCE_POLICY_LOGPROBS,
+                            F.ADVANTAGES,
+                        )
+                    },
                     F.INPUT_LENGTHS: lengths,
                     F.SAMPLE_MASK: batch[F.SAMPLE_MASK],
                 },
@@ -262,11 +328,16 @@ def _data_plane_rank(rank: int, world: int, model_dir: str, folder: str) -> None
     dist.broadcast_object_list(box, src=0)
     meta = box[0]
     with megatron_on_cpu():
-        policy = MegatronPolicy(_cfg(folder, "megatron", tp=2, world=4), tokenizer=_Tokenizer(), reference_path=model_dir)
+        policy = MegatronPolicy(
+            _cfg(folder, "megatron", tp=2, world=4), tokenizer=_Tokenizer(), reference_path=model_dir
+        )
         policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=True)
         prev = policy.get_logprobs_from_meta(meta, dp)
         metrics = policy.train_from_meta(meta.join(prev), dp, fields=F.DP_TRAIN_FIELDS, rows_per_update=4)
-    torch.save({"data_parallel": policy.data_parallel(), "writes": policy.writes_outputs(), "metrics": metrics, "prev": prev}, f"{folder}/rank{rank}.pt")
+    torch.save(
+        {"data_parallel": policy.data_parallel(), "writes": policy.writes_outputs(), "metrics": metrics, "prev": prev},
+        f"{folder}/rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -281,14 +352,23 @@ def test_replicas_shard_the_step_and_model_parallel_ranks_share_a_shard(model_di
     torch.save(hf["logprobs"], tmp_path / "prev.pt")
     mp.spawn(_data_plane_rank, args=(4, model_dir, str(tmp_path)), nprocs=4, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    assert [r["data_parallel"] for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # order tp-cp-dp-pp: ranks 0, 1 are replica 0
+    assert [r["data_parallel"] for r in ranks] == [
+        (0, 2),
+        (0, 2),
+        (1, 2),
+        (1, 2),
+    ]  # order tp-cp-dp-pp: ranks 0, 1 are replica 0
     assert [r["writes"] for r in ranks] == [True, False, True, False]
-    written = DataPlane(str(tmp_path / "dp"), "run").read(ranks[0]["prev"], [F.PREV_LOGPROBS], layout="jagged")[F.PREV_LOGPROBS]
+    written = DataPlane(str(tmp_path / "dp"), "run").read(ranks[0]["prev"], [F.PREV_LOGPROBS], layout="jagged")[
+        F.PREV_LOGPROBS
+    ]
     assert torch.allclose(pad_nested(written, 0.0), hf["logprobs"], atol=1e-5)  # every row written once, by its replica
     want = hf["metrics"][0]  # the same two updates (rows 0-3, 4-7) on one rank
     for r in ranks:
         got = r["metrics"]
-        assert got["total_num_tokens"] == float(_batch()["input_lengths"].sum()) == 84  # each replica's tokens counted once
+        assert (
+            got["total_num_tokens"] == float(_batch()["input_lengths"].sum()) == 84
+        )  # each replica's tokens counted once
         assert got["global_valid_toks"] == want["global_valid_toks"]
         for key in ("loss", "grad_norm", "kl_penalty", "probs_ratio"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
@@ -306,7 +386,9 @@ def _bf16_pipeline_rank(rank: int, world: int, model_dir: str, folder: str) -> N
     with megatron_on_cpu():
         policy = MegatronPolicy(cfg, tokenizer=_Tokenizer(), reference_path=model_dir)
         policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=False)
-        torch.save({"writes": policy.writes_outputs(), "logprobs": policy.get_logprobs(_batch())}, f"{folder}/rank{rank}.pt")
+        torch.save(
+            {"writes": policy.writes_outputs(), "logprobs": policy.get_logprobs(_batch())}, f"{folder}/rank{rank}.pt"
+        )
     dist.destroy_process_group()
 
 
@@ -320,7 +402,11 @@ def test_bf16_pipeline_stages_exchange_bf16_activations(model_dir, tmp_path):
     mp.spawn(_bf16_pipeline_rank, args=(2, model_dir, str(tmp_path)), nprocs=2, join=True)
     last = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert last["writes"] and not torch.load(tmp_path / "rank0.pt", weights_only=False)["writes"]
-    hf = HFPolicy(config_from_dict({**_cfg(str(tmp_path), "transformers").to_dict(), "model": {"precision": "bfloat16"}}), tokenizer=_Tokenizer(), reference_path=model_dir)
+    hf = HFPolicy(
+        config_from_dict({**_cfg(str(tmp_path), "transformers").to_dict(), "model": {"precision": "bfloat16"}}),
+        tokenizer=_Tokenizer(),
+        reference_path=model_dir,
+    )
     hf.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=False)
     want = hf.get_logprobs(_batch())
     mask = _batch()["token_mask"]
@@ -349,15 +435,25 @@ def test_megatron_matches_the_transformers_backend_on_the_real_model(real_model_
     from rl.model import load_tokenizer
 
     tok = load_tokenizer(real_model_dir)
-    rows = [tok(t)["input_ids"] for t in ("What is 4 + 3? The answer is 7.", "Name a prime number: seven, because it has no divisors.")]
+    rows = [
+        tok(t)["input_ids"]
+        for t in ("What is 4 + 3? The answer is 7.", "Name a prime number: seven, because it has no divisors.")
+    ]
     lengths = torch.tensor([len(r) for r in rows])
     ids = torch.tensor([r + [tok.pad_token_id] * (int(lengths.max()) - len(r)) for r in rows])
     mask = (torch.arange(ids.shape[1])[None, :] >= 4) & (torch.arange(ids.shape[1])[None, :] < lengths[:, None])
-    batch = {"input_ids": ids, "input_lengths": lengths, "token_mask": mask, "sample_mask": torch.ones(2, dtype=torch.bool)}
+    batch = {
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "token_mask": mask,
+        "sample_mask": torch.ones(2, dtype=torch.bool),
+    }
     torch.save(batch, tmp_path / "batch.pt")
     mp.spawn(_real_model_rank, args=(real_model_dir, str(tmp_path)), nprocs=1, join=True)
     hf = HFPolicy(_cfg(str(tmp_path), "transformers"), tokenizer=tok, reference_path=real_model_dir)
     hf.load_checkpoint(PolicyVersion(0, real_model_dir), with_optimizer=False)
     diff = (torch.load(tmp_path / "logprobs.pt") - hf.get_logprobs(batch)).abs()[mask]
-    print(f"\n[megatron vs transformers, SmolLM2-135M, float32, CPU] {int(mask.sum())} tokens: max |diff| {float(diff.max()):.1e}, mean {float(diff.mean()):.1e} nats")
+    print(
+        f"\n[megatron vs transformers, SmolLM2-135M, float32, CPU] {int(mask.sum())} tokens: max |diff| {float(diff.max()):.1e}, mean {float(diff.mean()):.1e} nats"
+    )
     assert float(diff.max()) < 2e-4 and float(diff.mean()) < 5e-5

@@ -12,15 +12,22 @@ from rl.backends import registry
 
 
 def test_unknown_names_list_the_valid_ones():
-    with pytest.raises(ValueError, match=r"'sglang' is not a generation back-end; use one of \['transformers', 'vllm'\]"):
+    with pytest.raises(
+        ValueError, match=r"'sglang' is not a generation back-end; use one of \['transformers', 'vllm'\]"
+    ):
         registry.load("generation", "sglang")
 
 
 def test_a_missing_package_names_the_install_command(monkeypatch):
-    spec = registry.BackendSpec("nowhere:Nothing", ("grpoflow_no_such_package",), "pip install grpoflow-no-such-package")
+    spec = registry.BackendSpec(
+        "nowhere:Nothing", ("grpoflow_no_such_package",), "pip install grpoflow-no-such-package"
+    )
     monkeypatch.setitem(registry.GENERATION_BACKENDS, "fake", spec)
     assert registry.missing_packages("generation", "fake") == ["grpoflow_no_such_package"]
-    with pytest.raises(ImportError, match=r"generation.backend 'fake' needs grpoflow_no_such_package.*: pip install grpoflow-no-such-package"):
+    with pytest.raises(
+        ImportError,
+        match=r"generation.backend 'fake' needs grpoflow_no_such_package.*: pip install grpoflow-no-such-package",
+    ):
         registry.load("generation", "fake")
 
 
@@ -44,12 +51,20 @@ def test_megatron_on_a_machine_without_cuda_says_it_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert registry.missing_packages("policy", "megatron") == []
-    with pytest.raises(RuntimeError, match=r"policy.backend 'megatron' needs a CUDA GPU and this machine has none .*Use policy.backend 'transformers' on CPU"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"policy.backend 'megatron' needs a CUDA GPU and this machine has none .*Use policy.backend 'transformers' on CPU",
+    ):
         registry.load("policy", "megatron")
 
 
 def test_a_missing_package_is_named_before_a_missing_gpu(monkeypatch):
-    spec = registry.BackendSpec("nowhere:Nothing", ("grpoflow_no_such.core",), "pip install -e '.[nothing]'", needs_cuda=True)
+    spec = registry.BackendSpec(
+        "nowhere:Nothing", ("grpoflow_no_such.core",), "pip install -e '.[nothing]'", needs_cuda=True
+    )
     monkeypatch.setitem(registry.POLICY_BACKENDS, "fake", spec)
-    with pytest.raises(ImportError, match=r"policy.backend 'fake' needs grpoflow_no_such.core, which is not installed here: pip install -e '.\[nothing\]'"):
+    with pytest.raises(
+        ImportError,
+        match=r"policy.backend 'fake' needs grpoflow_no_such.core, which is not installed here: pip install -e '.\[nothing\]'",
+    ):
         registry.check_installed("policy", "fake")

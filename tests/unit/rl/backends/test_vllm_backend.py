@@ -44,7 +44,11 @@ class FakeLLM:
         self.calls: list[tuple] = []
         self.loaded: dict[str, torch.dtype] = {}
         self.cache_tokens = 10_000
-        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=self.cache_tokens // 16, block_size=16)))
+        self.llm_engine = SimpleNamespace(
+            vllm_config=SimpleNamespace(
+                cache_config=SimpleNamespace(num_gpu_blocks=self.cache_tokens // 16, block_size=16)
+            )
+        )
 
     def apply_model(self, fn):
         return [fn(_Model())]
@@ -68,7 +72,9 @@ class FakeLLM:
 
     def generate(self, prompts, params, use_tqdm):
         self.calls.append(("generate", len(prompts), tuple(p.kwargs["seed"] for p in params)))
-        completion = SimpleNamespace(token_ids=[7, EOS], logprobs=[{7: SimpleNamespace(logprob=-0.5)}, {EOS: SimpleNamespace(logprob=-0.25)}])
+        completion = SimpleNamespace(
+            token_ids=[7, EOS], logprobs=[{7: SimpleNamespace(logprob=-0.5)}, {EOS: SimpleNamespace(logprob=-0.25)}]
+        )
         return [SimpleNamespace(outputs=[replace_index(completion, i) for i in range(p.kwargs["n"])]) for p in params]
 
 
@@ -87,8 +93,15 @@ def fake_vllm(monkeypatch):
 
 
 def _backend(device="cpu", *, shares_gpu=False, precision="float32", **vllm_cfg):
-    cfg = config_from_dict({"model": {"precision": precision}, "generation": {"backend": "vllm", "max_new_tokens": 4, "vllm_cfg": vllm_cfg}})
-    gen = vg.VLLMGeneration(cfg, tokenizer=SimpleNamespace(eos_token_id=EOS), model_path="unused", shares_gpu=shares_gpu)
+    cfg = config_from_dict(
+        {
+            "model": {"precision": precision},
+            "generation": {"backend": "vllm", "max_new_tokens": 4, "vllm_cfg": vllm_cfg},
+        }
+    )
+    gen = vg.VLLMGeneration(
+        cfg, tokenizer=SimpleNamespace(eos_token_id=EOS), model_path="unused", shares_gpu=shares_gpu
+    )
     gen._llm, gen._plan = FakeLLM(), engine_plan(cfg, device, model_max_len=4096, shares_gpu=shares_gpu)
     return gen
 
@@ -99,7 +112,9 @@ WEIGHTS = [("norm.weight", torch.ones(2)), ("norm.bias", torch.zeros(2)), ("step
 
 def test_seeded_requests_on_the_cpu_go_in_waves_that_fit_the_cache(fake_vllm):
     gen = _backend()
-    gen._llm.llm_engine.vllm_config.cache_config.num_gpu_blocks = 3  # 48 tokens: a group needs 2 x one 16-token block = 32
+    gen._llm.llm_engine.vllm_config.cache_config.num_gpu_blocks = (
+        3  # 48 tokens: a group needs 2 x one 16-token block = 32
+    )
     out = gen.generate(PROMPTS, group_size=2, seed=5)
     seeds = [vg.request_seed(5, 0), vg.request_seed(5, 1)]
     assert gen._llm.calls == [("generate", 1, (seeds[0],)), ("generate", 1, (seeds[1],))]
@@ -121,14 +136,22 @@ def test_beside_a_trainer_the_engine_sleeps_after_each_call_and_wakes_weights_be
     gen._llm.calls.clear()
     gen.refit(PolicyVersion(step=1, path="in-process"), weights=WEIGHTS)
     # weights back first, the KV cache only once the refit's buffers are gone, then the stale prefix cache dropped
-    assert gen._llm.calls == [("wake_up", ("weights",)), ("rpc", "reload_weights"), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert gen._llm.calls == [
+        ("wake_up", ("weights",)),
+        ("rpc", "reload_weights"),
+        ("wake_up", ("kv_cache",)),
+        ("reset_prefix_cache",),
+    ]
     assert not gen.asleep and gen.weight_version == 1
     gen._llm.calls.clear()
     gen.generate(PROMPTS, group_size=1, seed=2, greedy=True)
     assert [c[0] for c in gen._llm.calls] == ["generate", "sleep"]  # awake already: no wake before it
     gen._llm.calls.clear()
     gen.generate(PROMPTS, group_size=1, seed=3)
-    assert [c[0] for c in gen._llm.calls] == ["wake_up", "generate", "sleep"] and gen._llm.calls[0][1] == ("weights", "kv_cache")
+    assert [c[0] for c in gen._llm.calls] == ["wake_up", "generate", "sleep"] and gen._llm.calls[0][1] == (
+        "weights",
+        "kv_cache",
+    )
 
 
 def test_alone_on_its_gpu_the_engine_never_sleeps(fake_vllm):
@@ -142,12 +165,16 @@ def test_alone_on_its_gpu_the_engine_never_sleeps(fake_vllm):
 def test_refits_hand_vllm_weights_in_the_engine_dtype(fake_vllm, precision, expected):
     gen = _backend("cuda", precision=precision)
     gen.refit(PolicyVersion(step=1, path="in-process"), weights=WEIGHTS)
-    assert gen._llm.loaded == {"norm.weight": expected, "norm.bias": expected, "step": torch.int64}  # integers as they are
+    assert gen._llm.loaded == {
+        "norm.weight": expected,
+        "norm.bias": expected,
+        "step": torch.int64,
+    }  # integers as they are
 
 
 def test_casting_first_gives_vllm_the_values_its_own_cast_would():
     master = torch.randn(1000) * 3  # float32, many values between bf16 neighbours
-    (_, cast), = vg._in_dtype([("w", master)], "bfloat16")
+    ((_, cast),) = vg._in_dtype([("w", master)], "bfloat16")
     into = torch.empty(1000, dtype=torch.bfloat16).copy_(master)  # what vLLM's loader does with a float32 tensor
     assert cast.dtype == torch.bfloat16 and torch.equal(cast, into)
 
@@ -163,7 +190,9 @@ def test_the_rotary_report_is_silent_and_a_left_out_layer_is_an_error(fake_vllm)
         gen.refit(PolicyVersion(step=1, path="in-process"), weights=WEIGHTS)
         assert gen.weight_version == 1 and not seen  # the rotary layer's cache is computed, not loaded: no warning
         assert gen._derived_layers == {"_Rotary"}
-        with pytest.raises(RuntimeError, match=r"vLLM refit to step 2: no weights were given for the LayerNorm layer\(s\)"):
+        with pytest.raises(
+            RuntimeError, match=r"vLLM refit to step 2: no weights were given for the LayerNorm layer\(s\)"
+        ):
             gen.refit(PolicyVersion(step=2, path="in-process"), weights=WEIGHTS[1:])
         assert gen.weight_version == 1 and not seen
         log.warning("unrelated")  # the filter is gone after the reload
@@ -206,6 +235,9 @@ def test_a_prompt_that_does_not_fit_max_model_len_is_refused_before_the_engine_r
     gen._context = (8, "generation.vllm_cfg.max_model_len")  # as `_start` sets it from the config and the model
     gen.generate([[1, 2, 3, 4]], group_size=2, seed=0)  # 4 + max_new_tokens 4 = 8: fits
     calls = len(gen._llm.calls)
-    with pytest.raises(ValueError, match=r"^config generation.max_new_tokens: 4 plus the longest prompt's 5 tokens is more than the 8 tokens of generation.vllm_cfg.max_model_len"):
+    with pytest.raises(
+        ValueError,
+        match=r"^config generation.max_new_tokens: 4 plus the longest prompt's 5 tokens is more than the 8 tokens of generation.vllm_cfg.max_model_len",
+    ):
         gen.generate([[1, 2], [1, 2, 3, 4, 5]], group_size=2, seed=0)
     assert len(gen._llm.calls) == calls  # nothing was submitted

@@ -59,11 +59,16 @@ def test_a_gpu_shared_with_a_trainer_leaves_it_memory_unless_told_otherwise():
     assert engine_plan(cfg, "cuda", model_max_len=8192, shares_gpu=True).engine["gpu_memory_utilization"] == 0.6
     assert engine_plan(cfg, "cuda", model_max_len=8192, shares_gpu=False).engine["gpu_memory_utilization"] == 0.9
     told = _cfg("bfloat16", generation={"vllm_cfg": {"gpu_memory_utilization": 0.75}})
-    assert {engine_plan(told, "cuda", model_max_len=8192, shares_gpu=s).engine["gpu_memory_utilization"] for s in (True, False)} == {0.75}
+    assert {
+        engine_plan(told, "cuda", model_max_len=8192, shares_gpu=s).engine["gpu_memory_utilization"]
+        for s in (True, False)
+    } == {0.75}
 
 
 def test_a_gpu_takes_its_engine_sizes_from_vllm_cfg_and_sleeps_beside_a_trainer():
-    cfg = _cfg("bfloat16", generation={"vllm_cfg": {"max_num_seqs": 256, "gpu_memory_utilization": 0.4, "enforce_eager": True}})
+    cfg = _cfg(
+        "bfloat16", generation={"vllm_cfg": {"max_num_seqs": 256, "gpu_memory_utilization": 0.4, "enforce_eager": True}}
+    )
     plan = engine_plan(cfg, "cuda", model_max_len=8192, shares_gpu=True)
     assert plan.engine["max_num_seqs"] == 256 and plan.engine["gpu_memory_utilization"] == 0.4
     assert plan.engine["enforce_eager"] is True
@@ -98,7 +103,9 @@ def test_max_num_seqs_is_vllm_cfg_then_batch_size_then_the_device_default(genera
 def test_lengths_are_capped_by_the_model():
     cfg = _cfg(generation={"vllm_cfg": {"max_model_len": 8192}})
     cpu = engine_plan(cfg, "cpu", model_max_len=6000)
-    assert cpu.engine["max_model_len"] == 6000 and cpu.engine["max_num_batched_tokens"] == 6000  # a whole prefill fits a step
+    assert (
+        cpu.engine["max_model_len"] == 6000 and cpu.engine["max_num_batched_tokens"] == 6000
+    )  # a whole prefill fits a step
     assert engine_plan(cfg, "cuda", model_max_len=512).engine["max_model_len"] == 512
 
 
@@ -133,9 +140,14 @@ def test_logprobs_mode_gives_the_untruncated_temperature_scaled_logprob(temperat
 
 
 def test_top_p_below_1_at_another_temperature_is_refused_for_vllm_only():
-    with pytest.raises(ValueError, match=r"config generation.top_p: is 0.9 with temperature 0.7 on the vllm back-end.*set temperature 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"config generation.top_p: is 0.9 with temperature 0.7 on the vllm back-end.*set temperature 1",
+    ):
         _cfg(generation={"temperature": 0.7, "top_p": 0.9})
-    hf = config_from_dict({"generation": {"backend": "transformers", "temperature": 0.7, "top_p": 0.9}})  # it reports them
+    hf = config_from_dict(
+        {"generation": {"backend": "transformers", "temperature": 0.7, "top_p": 0.9}}
+    )  # it reports them
     with pytest.raises(ValueError, match="never the untruncated temperature-scaled ones"):
         logprobs_mode(hf)
 

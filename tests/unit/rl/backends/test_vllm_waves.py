@@ -15,7 +15,10 @@ def test_waves_keep_order_and_fit_the_cache():
 
 
 def test_a_group_larger_than_the_cache_says_what_to_raise():
-    with pytest.raises(ValueError, match="needs 11 KV-cache tokens but the vLLM engine holds 10; raise generation.vllm_cfg.cpu_kv_cache_gib"):
+    with pytest.raises(
+        ValueError,
+        match="needs 11 KV-cache tokens but the vLLM engine holds 10; raise generation.vllm_cfg.cpu_kv_cache_gib",
+    ):
         waves([3, 11], 10)
 
 

@@ -25,7 +25,9 @@ def test_shared_prompt_prefill_matches_plain_generation(tiny):
     plain = [generate(model, tok, [p], max_new_tokens=5, greedy=True) for p in grouped]
     for i, one in enumerate(plain):
         assert torch.equal(shared.input_ids[i], one.input_ids[0])
-        assert torch.allclose(shared.generation_logprobs[i], one.generation_logprobs[0], atol=1e-3)  # float noise of padding
+        assert torch.allclose(
+            shared.generation_logprobs[i], one.generation_logprobs[0], atol=1e-3
+        )  # float noise of padding
 
 
 def test_inverse_cdf_sampling_draws_the_temperature_distribution():

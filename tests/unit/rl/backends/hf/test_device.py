@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rl.config import config_from_dict
-from tests.helpers import grouped_batch
 from tests.fake_device import DEVICE, DeviceMismatch, fake_device, move
+from tests.helpers import grouped_batch
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,9 @@ def test_logprobs_stay_on_the_device_read_once_and_equal_the_cpu(tiny_model_dir,
         on_device = _on_device(model)
         got = batched_logprobs(on_device, *args, batch_size=3, precision="float32")
     assert got.device.type == "cpu"
-    assert torch.equal(got, expected) if attention == "eager" else torch.allclose(got, expected, atol=1e-5)  # SDPA: causal kernel
+    assert (
+        torch.equal(got, expected) if attention == "eager" else torch.allclose(got, expected, atol=1e-5)
+    )  # SDPA: causal kernel
     assert len(dev.syncs) == 1 and dev.syncs[0].shape == (8, 12)  # the result, once: three micro-batches, no reads
     plans = [u for u in dev.uploads if "rl/precision.py:" in u.where]
     assert plans and all(u.non_blocking and u.pinned for u in plans)
@@ -150,7 +152,9 @@ def test_decode_samples_on_the_device_with_its_generator(tiny_model_dir, attenti
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_replay_it(tiny_model_dir, attention, monkeypatch):
+def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_replay_it(
+    tiny_model_dir, attention, monkeypatch
+):
     """The static-cache loop (``generation.cuda_graphs``) gives the dynamic loop's greedy completions, and its
     one-token step neither reads the device nor copies from the host: inside a CUDA graph capture either would fail or
     bake a value into the graph. (The capture itself needs CUDA: ``tests/gpu/test_device.py``.)"""
@@ -176,8 +180,24 @@ def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_repl
         monkeypatch.setattr(static.OneTokenStep, "_step", counted)
         on_device = _on_device(model)
         got = generate(on_device, tok, rows, max_new_tokens=9, greedy=True, precision="float32", cuda_graphs=True)
-        a = generate(on_device, tok, rows, max_new_tokens=9, precision="float32", cuda_graphs=True, generator=device_generator(DEVICE, 5))
-        b = generate(on_device, tok, rows, max_new_tokens=9, precision="float32", cuda_graphs=True, generator=device_generator(DEVICE, 5))
+        a = generate(
+            on_device,
+            tok,
+            rows,
+            max_new_tokens=9,
+            precision="float32",
+            cuda_graphs=True,
+            generator=device_generator(DEVICE, 5),
+        )
+        b = generate(
+            on_device,
+            tok,
+            rows,
+            max_new_tokens=9,
+            precision="float32",
+            cuda_graphs=True,
+            generator=device_generator(DEVICE, 5),
+        )
     for x, y in zip(got.input_ids, expected.input_ids, strict=True):
         assert torch.equal(x, y)
     for x, y in zip(got.generation_logprobs, expected.generation_logprobs, strict=True):
@@ -186,8 +206,17 @@ def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_repl
     assert [x.tolist() for x in a.input_ids] == [x.tolist() for x in b.input_ids]
     with pytest.raises(ValueError, match="static-cache decode needs the model stored in its compute dtype"):
         static.decode_static(
-            model, rows, pad_id=2, eos_id=2, max_new_tokens=2, temperature=1.0, top_p=1.0, greedy=True, precision="bfloat16",
-            generator=None, graph=False,
+            model,
+            rows,
+            pad_id=2,
+            eos_id=2,
+            max_new_tokens=2,
+            temperature=1.0,
+            top_p=1.0,
+            greedy=True,
+            precision="bfloat16",
+            generator=None,
+            graph=False,
         )
 
 
@@ -227,7 +256,9 @@ def test_the_back_ends_run_a_rollout_logprobs_update_and_refit_on_the_device(tin
             "input_lengths": lengths,
             "token_mask": torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in out.token_mask]),
             "sample_mask": torch.ones(4, dtype=torch.bool),
-            "generation_logprobs": torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in out.generation_logprobs]),
+            "generation_logprobs": torch.stack(
+                [torch.nn.functional.pad(x, (0, width - len(x))) for x in out.generation_logprobs]
+            ),
             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(4, width).contiguous(),
         }
         batch["reference_policy_logprobs"] = pol.get_reference_policy_logprobs(batch)

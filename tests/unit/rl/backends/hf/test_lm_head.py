@@ -40,7 +40,9 @@ def test_bf16_head_corrects_the_logits_that_decide_the_logprob():
     top = exact.topk(EXACT_TOP_K // 2, -1).indices  # the k largest are recomputed (half of k: clear of bf16 near-ties)
     assert logits.dtype == torch.float32
     assert torch.allclose(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=0)  # the top-k are float32-exact
-    assert torch.allclose(head.target_logits(hidden, targets), exact.gather(1, targets[:, None]).squeeze(1), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(
+        head.target_logits(hidden, targets), exact.gather(1, targets[:, None]).squeeze(1), rtol=1e-5, atol=1e-5
+    )
     ref = _reference(hidden, weight, targets, 1.0)
     plain = (hidden.bfloat16() @ weight.bfloat16().T).float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
     ours = head.token_logprobs(hidden, targets)

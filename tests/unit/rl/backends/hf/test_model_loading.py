@@ -37,7 +37,11 @@ def tie_weights_guard() -> Iterator[None]:
 
 def _problems(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
     """What is wrong with a loaded tiny model: a tensor on the meta device, an untied LM head, a wrong dtype."""
-    out = [f"{n} on meta" for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()] if t.is_meta]
+    out = [
+        f"{n} on meta"
+        for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+        if t.is_meta
+    ]
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         out.append("lm_head.weight is not tied to model.embed_tokens.weight")
     out += [f"{n} is {p.dtype}, not {dtype}" for n, p in model.named_parameters() if p.dtype != dtype]
@@ -127,7 +131,11 @@ def test_reference_logprobs_beside_a_generation_refit_from_disk(tiny_model_dir, 
     cfg = small_config(tmp_path, tiny_model_dir)
     tok = load_tokenizer(tiny_model_dir)
     g = torch.Generator().manual_seed(0)
-    batch = {F.INPUT_IDS: torch.randint(3, 1000, (4, 12), generator=g), F.INPUT_LENGTHS: torch.full((4,), 12), F.TOKEN_MASK: torch.ones(4, 12)}
+    batch = {
+        F.INPUT_IDS: torch.randint(3, 1000, (4, 12), generator=g),
+        F.INPUT_LENGTHS: torch.full((4,), 12),
+        F.TOKEN_MASK: torch.ones(4, 12),
+    }
     first = None
     for trial in range(20):
         policy = HFPolicy(cfg, tokenizer=tok, reference_path=tiny_model_dir)

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from rl.config import config_from_dict
 from rl.backends.hf.logprobs import batched_logprobs, forward_logprobs
 from rl.backends.hf.train import make_optimizer, train_on_batch
+from rl.config import config_from_dict
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,15 @@ def _cfg(mbs):
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "level"), [("dapo", "token"), ("grpo", "token"), ("dr_grpo", "token"), ("cispo", "token"), ("grpo", "sequence"), ("grpo", "sequence_token")]
+    ("loss_type", "level"),
+    [
+        ("dapo", "token"),
+        ("grpo", "token"),
+        ("dr_grpo", "token"),
+        ("cispo", "token"),
+        ("grpo", "sequence"),
+        ("grpo", "sequence_token"),
+    ],
 )
 def test_micro_batches_1x8_and_8x1_give_the_same_update(tiny64, loss_type, level):
     results = []
@@ -76,7 +84,9 @@ def test_micro_batches_1x8_and_8x1_give_the_same_update(tiny64, loss_type, level
 
 def test_extra_padding_changes_nothing(tiny64):
     batch = _batch()
-    lp = forward_logprobs(tiny64, batch["input_ids"], batch["input_lengths"], precision="float32", token_mask=batch["token_mask"])
+    lp = forward_logprobs(
+        tiny64, batch["input_ids"], batch["input_lengths"], precision="float32", token_mask=batch["token_mask"]
+    )
     wide = torch.cat([batch["input_ids"], torch.full((8, 5), 7)], 1)
     wide_mask = torch.cat([batch["token_mask"], torch.ones(8, 5, dtype=torch.bool)], 1)  # padding is never wanted
     lp_wide = forward_logprobs(tiny64, wide, batch["input_lengths"], precision="float32", token_mask=wide_mask)
@@ -97,7 +107,6 @@ def test_logprobs_are_computed_exactly_on_the_wanted_tokens(tiny64):
     cut = batched_logprobs(tiny64, ids, lengths, mask, batch_size=3, precision="float32")
     assert torch.allclose(cut[mask], full[mask].to(cut.dtype), atol=1e-12)
     assert (cut[~mask] == 0).all()
-
 
 
 def test_shared_prompts_are_encoded_once_with_the_same_values_and_gradients(tiny64):
@@ -157,7 +166,9 @@ def test_the_update_follows_the_plain_forward_gradient_of_the_grpo_loss(tiny64):
     ids, lengths, tm = batch["input_ids"], batch["input_lengths"], batch["token_mask"]
     logits = tiny64(input_ids=ids, attention_mask=(torch.arange(12)[None] < lengths[:, None]).long()).logits
     lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [M, S-1]
-    per_token = -batch["advantages"][:, 1:] * torch.exp(lp - lp.detach()) + 0.1 * kl_penalty(lp, batch["reference_policy_logprobs"][:, 1:])
+    per_token = -batch["advantages"][:, 1:] * torch.exp(lp - lp.detach()) + 0.1 * kl_penalty(
+        lp, batch["reference_policy_logprobs"][:, 1:]
+    )
     mask = tm[:, 1:].double()
     loss = (per_token * mask).sum() / mask.sum()
     plain = torch.autograd.grad(loss, list(tiny64.parameters()))
@@ -165,7 +176,6 @@ def test_the_update_follows_the_plain_forward_gradient_of_the_grpo_loss(tiny64):
     assert tiny64.get_input_embeddings().weight is tiny64.get_output_embeddings().weight  # the tied case is covered
     for (name, _), a, b in zip(tiny64.named_parameters(), opt.grads, plain, strict=True):
         assert ((a - b).norm() / b.norm()).item() < 1e-6, name  # float32 attention softmax, as in the test above
-
 
 
 def test_the_update_accumulates_indexed_gradients_reproducibly(tiny64, monkeypatch):
