@@ -29,17 +29,23 @@ from pathlib import Path
 
 import torch
 
+from rl.advantages import compute_advantages
+from rl.backends.hf.decode import generate
+from rl.backends.hf.logprobs import batched_logprobs
+from rl.backends.hf.model import load_model
+from rl.backends.hf.train import make_optimizer, train_on_batch
+from rl.config import config_from_dict
+from rl.data import prompt_token_ids, score, train_problems
+from rl.loss import kl_penalty
+from rl.model import load_tokenizer, resolve_model
+from tasks.runtime import set_threads
+
 REPO = Path(__file__).resolve().parents[1]
 G = 8
 
 
 def _rollout_batch(model, tok, cfg, problems, precision: str = "bfloat16"):
     """One step's padded training batch from ours' sampler, as `train_on_batch` takes it."""
-    from rl.advantages import compute_advantages
-    from rl.backends.hf.decode import generate
-    from rl.backends.hf.logprobs import batched_logprobs
-    from rl.data import prompt_token_ids, score
-
     d = cfg.data
     prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems for _ in range(G)]
     gen = generate(
@@ -75,8 +81,6 @@ def _rollout_batch(model, tok, cfg, problems, precision: str = "bfloat16"):
 
 def _plain_backward(model, batch, *, bf16: bool, beta: float = 0.01) -> None:
     """The GRPO loss as TRL computes it: full padded forward, log_softmax over the vocabulary, micro-batches of 8."""
-    from rl.loss import kl_penalty
-
     ids, lengths, tm = batch["input_ids"], batch["input_lengths"], batch["token_mask"]
     mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()  # [N, S]
     toks = float(tm[:, 1:].sum())
@@ -122,9 +126,6 @@ GROUPS = {
 
 
 def check_gradient(path: str, batch: dict, cfg_for) -> list[str]:
-    from rl.backends.hf.model import load_model
-    from rl.backends.hf.train import train_on_batch
-
     grads: dict[str, dict[str, torch.Tensor]] = {}
     seconds: dict[str, float] = {}
     for precision in ("bfloat16", "float32"):
@@ -164,17 +165,13 @@ def check_gradient(path: str, batch: dict, cfg_for) -> list[str]:
         lines.append(
             f"| {name} | "
             + " | ".join(f"{c:.4f}" for c in cos)
-            + f" | {float(x.norm() / y.norm()):.4f} | {float((x.sign() == y.sign()).double().mean()):.4f} | {seconds[name]:.1f} |"
+            + f" | {float(x.norm() / y.norm()):.4f} | {float((x.sign() == y.sign()).double().mean()):.4f} | "
+            f"{seconds[name]:.1f} |"
         )
     return lines
 
 
 def check_update(path: str, batch: dict, cfg_for) -> list[str]:
-    from rl.backends.hf.logprobs import batched_logprobs
-    from rl.backends.hf.model import load_model
-    from rl.backends.hf.train import make_optimizer, train_on_batch
-    from rl.loss import kl_penalty
-
     initial = load_model(path)
     w0 = {k: v.detach().clone() for k, v in initial.named_parameters()}
     cfg = cfg_for("bfloat16", max_grad_norm=1.0)
@@ -206,16 +203,14 @@ def check_update(path: str, batch: dict, cfg_for) -> list[str]:
         "|---|---:|---:|",
         f"| parameter change norm | {float(deltas['ours'].norm()):.4f} | {float(deltas['plain'].norm()):.4f} |",
         f"| cosine of the two changes | {_cos(deltas['ours'], deltas['plain']):.3f} | |",
-        f"| k3 KL to the initial model on the batch, bf16 forward | {kls['ours', 'bfloat16']:.4f} | {kls['plain', 'bfloat16']:.4f} |",
-        f"| k3 KL to the initial model on the batch, float32 forward | {kls['ours', 'float32']:.4f} | {kls['plain', 'float32']:.4f} |",
+        f"| k3 KL to the initial model on the batch, bf16 forward | {kls['ours', 'bfloat16']:.4f} | "
+        f"{kls['plain', 'bfloat16']:.4f} |",
+        f"| k3 KL to the initial model on the batch, float32 forward | {kls['ours', 'float32']:.4f} | "
+        f"{kls['plain', 'float32']:.4f} |",
     ]
 
 
 def check_sampling(path: str, tok, cfg, k: int) -> list[str]:
-    from rl.backends.hf.decode import generate
-    from rl.backends.hf.model import load_model
-    from rl.data import prompt_token_ids, score, train_problems
-
     d = cfg.data
     problems = train_problems(
         dataset=d.dataset, dataset_kwargs=d.dataset_kwargs, seed=d.seed, val_fraction=d.val_fraction, start=0, count=16
@@ -228,10 +223,14 @@ def check_sampling(path: str, tok, cfg, k: int) -> list[str]:
         r = torch.tensor([score(p, t, d.dataset, d.dataset_kwargs, d.seed) for p, t in zip(owners, texts)])
         ln = torch.tensor(lengths, dtype=torch.float64)
         se = lambda x: float(x.std() / len(x) ** 0.5)  # noqa: E731
-        return f"| {name} | {r.mean():.3f} +- {se(r):.3f} | {ln.mean():.2f} +- {se(ln):.2f} | {float((ln >= 32).double().mean()):.3f} | {seconds:.0f} |"
+        return (
+            f"| {name} | {r.mean():.3f} +- {se(r):.3f} | {ln.mean():.2f} +- {se(ln):.2f} | "
+            f"{float((ln >= 32).double().mean()):.3f} | {seconds:.0f} |"
+        )
 
     lines = [
-        f"| sampler, {len(owners)} completions (16 prompts x {k}), temperature 1, 32 new tokens | mean reward +- s.e. | mean length +- s.e. | share at 32 tokens | s |",
+        f"| sampler, {len(owners)} completions (16 prompts x {k}), temperature 1, 32 new tokens | mean "
+        "reward +- s.e. | mean length +- s.e. | share at 32 tokens | s |",
         "|---|---:|---:|---:|---:|",
     ]
     model = load_model(path)
@@ -290,12 +289,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the rollout that makes the training batch")
     parser.add_argument("--out", default="bench/results/agreement.md")
     args = parser.parse_args()
-
-    from rl.backends.hf.model import load_model
-    from rl.config import config_from_dict
-    from rl.data import train_problems
-    from rl.model import load_tokenizer, resolve_model
-    from tasks.runtime import set_threads
 
     set_threads()
     path = resolve_model("SmolLM2-135M-Instruct")

@@ -108,15 +108,15 @@ def main() -> None:
         f"Command: `python -m bench.async_grpo --cfg {args.cfg} --steps {args.steps} --val-period {args.val_period}"
         f" --ages {' '.join(map(str, args.ages))}`; one process per age, one after the other, on this machine.",
         "",
-        "| a | median step interval (s) | speed-up vs a = 0 | median generation wait (s) | mean trajectory age | total (min) | "
-        + " | ".join(f"accuracy @ step {s} (min)" for s in val_steps)
-        + " |",
+        "| a | median step interval (s) | speed-up vs a = 0 | median generation wait (s) | mean trajectory "
+        "age | total (min) | " + " | ".join(f"accuracy @ step {s} (min)" for s in val_steps) + " |",
         "|---:|---:|---:|---:|---:|---:|" + "---:|" * len(val_steps),
     ]
     for age, r in results.items():
         acc = " | ".join(f"{v:.3f} ({m:.1f})" for _, m, v in r["accuracy"])
         lines.append(
-            f"| {age} | {r['interval']:.2f} | {base / r['interval']:.2f}x | {r['wait']:.2f} | {r['age']:.2f} | {r['minutes']:.1f} | {acc} |"
+            f"| {age} | {r['interval']:.2f} | {base / r['interval']:.2f}x | {r['wait']:.2f} | {r['age']:.2f} | "
+            f"{r['minutes']:.1f} | {acc} |"
         )
     text = "\n".join(lines)
     print(text)

@@ -1,6 +1,7 @@
 """What a GRPO step costs on Flyte, where every task is a fresh pod: measured at 135M, projected to 1B and 8B.
 
-    python -m bench.cold_start [--steps 2] [--rate 1.0] [--steps-per-task 16] [--engine-start 30] [--out bench/results/cold_start.md]
+    python -m bench.cold_start [--steps 2] [--rate 1.0] [--steps-per-task 16] [--engine-start 30]
+                               [--out bench/results/cold_start.md]
 
 1. The same default config (the real SmolLM2-135M-Instruct, 8 x 8 x 32, float32) runs ``--steps`` steps three
    times, on a data plane and checkpoint store on a real S3 server on loopback (moto) with a sqlite MLflow store:
@@ -121,14 +122,16 @@ def _projection(fixed: float, bw: dict[str, float], rate: float, k: int, engine_
     out = [
         f"## Projection per step (W = float32 weights, 4 B/param; optimizer state 2W; bf16 copy W/2; K = {k})",
         "",
-        f"Fixed part: {tasks} tasks x {fixed:.1f} s per step (the advantages task's startup: interpreter, imports, inputs; "
-        f"no model) plus a generation engine's cold start ({engine_start:.0f} s, stated: vLLM's ~30 s) for the rollout "
-        f"task; one task's {fixed:.1f} + {engine_start:.0f} s per K steps with K steps per task. Storage at {rate:g} GB/s per pod (an object store; stated, not "
-        f"measured) and at this machine's local disk (read+parse {bw['local read+parse GB/s']:.2f}, write "
-        f"{bw['local write GB/s']:.2f} GB/s). Bytes per step, in W: as landed 7W loaded + 3W saved; now 3.5W + 3.5W; "
-        "K steps per task (3W + 3W)/K, plus the checkpoints due. Seconds per step:",
+        f"Fixed part: {tasks} tasks x {fixed:.1f} s per step (the advantages task's startup: interpreter, imports, "
+        f"inputs; no model) plus a generation engine's cold start ({engine_start:.0f} s, stated: vLLM's ~30 s) for "
+        f"the rollout task; one task's {fixed:.1f} + {engine_start:.0f} s per K steps with K steps per task. Storage "
+        f"at {rate:g} GB/s per pod (an object store; stated, not measured) and at this machine's local disk "
+        f"(read+parse {bw['local read+parse GB/s']:.2f}, write {bw['local write GB/s']:.2f} GB/s). Bytes per step, in "
+        "W: as landed 7W loaded + 3W saved; now 3.5W + 3.5W; K steps per task (3W + 3W)/K, plus the checkpoints due. "
+        "Seconds per step:",
         "",
-        "| model | W (GB) | plan | storage, object store | **per step, object store** | storage, local disk | per step, local disk |",
+        "| model | W (GB) | plan | storage, object store | **per step, object store** | storage, local disk | per "
+        "step, local disk |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, params in MODELS:
@@ -146,7 +149,8 @@ def _projection(fixed: float, bw: dict[str, float], rate: float, k: int, engine_
         "",
         f"Measured on the loopback S3 server (moto, one Python process: {bw['S3 download+parse GB/s']:.2f} GB/s down, "
         f"{bw['S3 upload GB/s']:.2f} GB/s up), the 135M step above. A real cluster adds pod scheduling, image pulls "
-        "(cached per node after the first) to every task of the one-task-per-step plans, once per K steps to the other.",
+        "(cached per node after the first) to every task of the one-task-per-step plans, once per K steps to the "
+        "other.",
     ]
     return out
 
@@ -256,12 +260,14 @@ def main() -> None:
     lines += [
         "## Step time (rollout start to train end), seconds",
         "",
-        f"- warm: {', '.join(f'{v:.1f}' for v in ws)}; cold, a pod per task: {', '.join(f'{v:.1f}' for v in cs)}; cold, "
-        f"{args.steps} steps in one pod (`resources.steps_per_task: {args.steps}`): {', '.join(f'{v:.1f}' for v in ks)}",
-        f"- cold minus warm, median over steps: **{statistics.median(c - w for c, w in zip(cs, ws)):.1f} s**; sum of the "
-        f"step's cold startups: {', '.join(f'{v:.1f}' for v in per_step_startup)} s (the tasks of a step run one after "
-        "another here; on a cluster the two logprob tasks and advantages run side by side)",
-        f"- steps in one pod minus warm, median over steps: **{statistics.median(k - w for k, w in zip(ks, ws)):.1f} s**",
+        f"- warm: {', '.join(f'{v:.1f}' for v in ws)}; cold, a pod per task: {', '.join(f'{v:.1f}' for v in cs)}; "
+        f"cold, {args.steps} steps in one pod (`resources.steps_per_task: {args.steps}`): "
+        f"{', '.join(f'{v:.1f}' for v in ks)}",
+        f"- cold minus warm, median over steps: **{statistics.median(c - w for c, w in zip(cs, ws)):.1f} s**; sum of "
+        f"the step's cold startups: {', '.join(f'{v:.1f}' for v in per_step_startup)} s (the tasks of a step run one "
+        "after another here; on a cluster the two logprob tasks and advantages run side by side)",
+        "- steps in one pod minus warm, median over steps: "
+        f"**{statistics.median(k - w for k, w in zip(ks, ws)):.1f} s**",
         f"- whole run wall: warm {warm_wall:.0f} s, cold {cold_wall:.0f} s ({len(pods.pods)} pods), steps in one pod "
         f"{whole_wall:.0f} s ({len(whole_pods.pods)} pods)",
         "",
@@ -273,9 +279,10 @@ def main() -> None:
         "",
         "## Load bandwidth",
         "",
-        f"- model file {bw['bytes'] / 1e6:.0f} MB: local disk read+parse {bw['local read+parse GB/s']:.2f} GB/s (dropped from "
-        f"the page cache first), write+fsync {bw['local write GB/s']:.2f} GB/s; loopback S3 (moto, a Python server) "
-        f"download+parse {bw['S3 download+parse GB/s']:.2f} GB/s, upload {bw['S3 upload GB/s']:.2f} GB/s",
+        f"- model file {bw['bytes'] / 1e6:.0f} MB: local disk read+parse {bw['local read+parse GB/s']:.2f} GB/s "
+        f"(dropped from the page cache first), write+fsync {bw['local write GB/s']:.2f} GB/s; loopback S3 (moto, a "
+        f"Python server) download+parse {bw['S3 download+parse GB/s']:.2f} GB/s, upload {bw['S3 upload GB/s']:.2f} "
+        "GB/s",
         "",
     ]
     fixed = statistics.median(cold_m["timing/advantages/startup"])  # imports + input download, no model

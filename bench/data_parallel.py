@@ -27,13 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from dataplane.meta import KVBatchMeta
+from dataplane.sharding import shard_updates_for_dp
+from rl.backends.hf.model import load_model
+from rl.data import train_problems
+from rl.model import load_tokenizer, resolve_model
+from tasks.run_config import run_config_from_dict
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cfg(**overrides):
-    from rl.model import resolve_model
-    from tasks.run_config import run_config_from_dict
-
     return run_config_from_dict({"model": {"name": resolve_model("SmolLM2-135M-Instruct")}, **overrides})
 
 
@@ -42,9 +46,6 @@ def _batch(out: Path) -> None:
     import torch
 
     from bench.agreement import _rollout_batch
-    from rl.backends.hf.model import load_model
-    from rl.data import train_problems
-    from rl.model import load_tokenizer
 
     cfg = _cfg()
     d = cfg.data
@@ -69,10 +70,7 @@ def _update_rank(rank: int, world: int, batch_path: str, store: str, threads: in
     import torch.distributed as dist
     from tensordict import TensorDict
 
-    from dataplane.meta import KVBatchMeta
-    from dataplane.sharding import shard_updates_for_dp
     from rl import distributed
-    from rl.backends.hf.model import load_model
     from rl.backends.hf.train import make_optimizer, train_on_batch
 
     torch.set_num_threads(threads)
@@ -214,26 +212,30 @@ def main() -> None:
         "",
         "## One optimizer update (inside the ranks, model loaded)",
         "",
-        "| ranks | threads each | rows each | update s | ratio to 1 rank | gradient all-reduce s | parameter all-gather s |",
+        "| ranks | threads each | rows each | update s | ratio to 1 rank | gradient all-reduce s | parameter "
+        "all-gather s |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for u in updates:
         lines.append(
-            f"| {u['ranks']} | {u['threads']} | {u['rows']} | {u['update_s']:.2f} | {u['update_s'] / one['update_s']:.2f} | "
+            f"| {u['ranks']} | {u['threads']} | {u['rows']} | {u['update_s']:.2f} | "
+            f"{u['update_s'] / one['update_s']:.2f} | "
             f"{u['all_reduce_s']:.2f} | {u['all_gather_s']:.2f} |"
         )
     fsdp = two["all_gather_s"] * 2 * two["micro_batches"]
     lines += [
         "",
         f"Gradients: {one['grad_mb']:.0f} MiB of float32. One all-reduce per update (ours, as DDP without overlap): "
-        f"{two['all_reduce_s']:.2f} s, {100 * two['all_reduce_s'] / two['update_s']:.0f}% of the 2-rank update. FSDP2 would "
-        f"all-gather the parameters before every micro-batch's forward and again before its backward ({two['micro_batches']} "
-        f"micro-batches per rank: up to {fsdp:.2f} s per update at the measured all-gather, less the all-reduce its "
-        "reduce-scatter replaces) to shard the optimizer state, which a 135M model does not need.",
+        f"{two['all_reduce_s']:.2f} s, {100 * two['all_reduce_s'] / two['update_s']:.0f}% of the 2-rank update. FSDP2 "
+        "would all-gather the parameters before every micro-batch's forward and again before its backward "
+        f"({two['micro_batches']} micro-batches per rank: up to {fsdp:.2f} s per update at the measured all-gather, "
+        "less the all-reduce its reduce-scatter replaces) to shard the optimizer state, which a 135M model does not "
+        "need.",
         "",
         "## Whole GRPO steps (`grpo` workflow, Flyte local executor)",
         "",
-        "| ranks | median step s | ratio to 1 rank | train task: training s | checkpointing s | startup s | logprob tasks s |",
+        "| ranks | median step s | ratio to 1 rank | train task: training s | checkpointing s | startup s | logprob "
+        "tasks s |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in steps:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -242,8 +243,6 @@ def bench_throughput(store: str, root: str, options: dict, n: int, *, warm_up: b
 
 # ---------------------------------------------------------------- (3) meta size
 def bench_meta() -> list[dict[str, float]]:
-    import uuid
-
     from flytekit.core.context_manager import FlyteContextManager
     from flytekit.core.type_engine import TypeEngine
 
@@ -340,15 +339,18 @@ def report(tp: list[dict], meta_rows: list[dict], lat: dict[str, dict], cmd: str
         "",
         "## 1. put + get throughput against raw pyarrow (same columns, same fsspec filesystem)",
         "",
-        "| store | N | tokens | MB (jagged, in memory) | reps | dp put s | dp get s | raw put s | raw get s | put ratio | get ratio | **put+get ratio** | per-round range | dp put+get MB/s | raw (dp's encodings) put+get s | ratio to it |",
+        "| store | N | tokens | MB (jagged, in memory) | reps | dp put s | dp get s | raw put s | raw get s | put "
+        "ratio | get ratio | **put+get ratio** | per-round range | dp put+get MB/s | raw (dp's encodings) put+get s "
+        "| ratio to it |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in tp:
         mbps = r["mb"] / (r["dp_put"] + r["dp_get"])
         lines.append(
-            f"| {r['store']} | {r['n']} | {r['tokens']:,} | {r['mb']:.1f} | {r['reps']} | {r['dp_put']:.3f} | {r['dp_get']:.3f} | "
-            f"{r['raw_put']:.3f} | {r['raw_get']:.3f} | {r['ratio_put']:.2f}x | {r['ratio_get']:.2f}x | **{r['ratio']:.2f}x** | "
-            f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}x | {mbps:.0f} | {r['raw_enc_put'] + r['raw_enc_get']:.3f} | {r['ratio_enc']:.2f}x |"
+            f"| {r['store']} | {r['n']} | {r['tokens']:,} | {r['mb']:.1f} | {r['reps']} | {r['dp_put']:.3f} | "
+            f"{r['dp_get']:.3f} | {r['raw_put']:.3f} | {r['raw_get']:.3f} | {r['ratio_put']:.2f}x | "
+            f"{r['ratio_get']:.2f}x | **{r['ratio']:.2f}x** | {r['ratio_min']:.2f}-{r['ratio_max']:.2f}x | {mbps:.0f} "
+            f"| {r['raw_enc_put'] + r['raw_enc_get']:.3f} | {r['ratio_enc']:.2f}x |"
         )
     pads = [f"N={r['n']}: {r['dp_pad']:.3f} s" for r in tp if "dp_pad" in r]
     lines += [
@@ -363,14 +365,15 @@ def report(tp: list[dict], meta_rows: list[dict], lat: dict[str, dict], cmd: str
         "  (lz4; floats BYTE_STREAM_SPLIT, integers DELTA_BINARY_PACKED) and then its commit record (local: temp",
         "  file + rename; S3: one PUT).",
         "- **dp get** = `DataPlane.read(meta, 6 fields, layout='jagged')`: lists the partition once, fetches the",
-        "  schema, commit and discard records in one batch, opens the data file with `fs.open(path, 'rb')`,",
+        "  schema and commit records in one batch, opens the data file with `fs.open(path, 'rb')`,",
         "  `pq.read_table(columns=...)`, checks the sample ids against the meta, and returns jagged nested tensors /",
         "  1-D tensors (zero-copy except bool).",
         "- **raw put** = build the same Arrow table from the same tensors (large_list columns over the tensors'",
         "  offsets and values, no `sample_id`) and `pq.write_table(table, fh)` with pyarrow's defaults (snappy,",
         "  dictionary encoding) into `fs.open(path, 'wb')` on the same filesystem.",
         "- **raw get** = `pq.read_table(fs.open(path, 'rb'), columns=...)`, then the same conversion a consumer",
-        "  does: list columns -> `torch.nested.nested_tensor_from_jagged(values, offsets)`, flat -> `torch.from_numpy`.",
+        "  does: list columns -> `torch.nested.nested_tensor_from_jagged(values, offsets)`, flat -> "
+        "`torch.from_numpy`.",
         "- **raw (dp's encodings)**: the raw baseline again, written with the data plane's Parquet options instead",
         "  of pyarrow's defaults: the ratio to it is the cost of the data plane's own bookkeeping alone.",
         "- Every side is checked to return exactly the written tensors. Not in the ratio: the default padded",
@@ -379,7 +382,8 @@ def report(tp: list[dict], meta_rows: list[dict], lat: dict[str, dict], cmd: str
         "",
         "## 2. bytes stored against the same data padded to the longest row",
         "",
-        "| store | N | padded (dense [N, S] tensors) MB | jagged in memory MB | dp Parquet MB | **dp / padded** | raw pyarrow (defaults) MB | raw / padded |",
+        "| store | N | padded (dense [N, S] tensors) MB | jagged in memory MB | dp Parquet MB | **dp / "
+        "padded** | raw pyarrow (defaults) MB | raw / padded |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in tp:
@@ -395,7 +399,8 @@ def report(tp: list[dict], meta_rows: list[dict], lat: dict[str, dict], cmd: str
         "",
         "## 3. serialized size of a meta as Flyte passes it",
         "",
-        "`TypeEngine.to_literal(ctx, meta, KVBatchMeta, TypeEngine.to_literal_type(KVBatchMeta)).to_flyte_idl().SerializeToString()`;",
+        "`TypeEngine.to_literal(ctx, meta, KVBatchMeta, "
+        "TypeEngine.to_literal_type(KVBatchMeta)).to_flyte_idl().SerializeToString()`;",
         "a rollout meta (14 field names, `sequence_lengths`, 11 `extra_info` numbers) and the same meta with the",
         "per-row `tags` the advantages task adds (`baseline`, `std`).",
         "",
@@ -420,7 +425,8 @@ def report(tp: list[dict], meta_rows: list[dict], lat: dict[str, dict], cmd: str
     total_lo = sum(v[0] for v in lat["local"].values())
     total_s3 = sum(v[0] for v in lat["s3"].values())
     lines.append(
-        f"| **all five (one step's data-plane floor)** | **{total_lo:.2f}** | **{total_s3:.2f}** | {sum(v[1] for v in lat['s3'].values())} |"
+        f"| **all five (one step's data-plane floor)** | **{total_lo:.2f}** | **{total_s3:.2f}** | "
+        f"{sum(v[1] for v in lat['s3'].values())} |"
     )
     lines += [
         "",

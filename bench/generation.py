@@ -34,12 +34,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO / "bench"]  # bench/dataplane.py
 sys.path.insert(0, str(REPO))
 
+from rl.backends import registry  # noqa: E402
+from rl.backends.interfaces import PolicyVersion  # noqa: E402
+from rl.data import prompt_token_ids, train_problems  # noqa: E402
+from rl.model import load_tokenizer, resolve_model  # noqa: E402
+from tasks.run_config import run_config_from_dict  # noqa: E402
+
 BACKENDS = ("transformers", "vllm")
 
 
 def _config(backend: str, workdir: Path, *, max_new_tokens: int = 32, steps: int | None = None):
-    from tasks.run_config import run_config_from_dict
-
     data = {
         "generation": {"backend": backend, "max_new_tokens": max_new_tokens, "vllm_cfg": {"cpu_kv_cache_gib": 4.0}},
         "dataplane": {"root": str(workdir / "dp")},
@@ -53,11 +57,6 @@ def _config(backend: str, workdir: Path, *, max_new_tokens: int = 32, steps: int
 def child_generate(spec: dict) -> dict:
     """Time one back-end on every shape (runs in its own process)."""
     import torch
-
-    from rl.backends import registry
-    from rl.backends.interfaces import PolicyVersion
-    from rl.data import prompt_token_ids, train_problems
-    from rl.model import load_tokenizer, resolve_model
 
     torch.set_num_threads(spec["threads"])
     model = resolve_model("SmolLM2-135M-Instruct")
@@ -149,14 +148,17 @@ def report(gen: dict[str, dict], steps: dict[str, dict], args: argparse.Namespac
     lines = [
         "# Generation back-ends: transformers decode loop vs vLLM",
         "",
-        f"`python bench/generation.py --repeats {args.repeats} --shapes {','.join(args.shapes)}{'' if args.step else ' --no-step'}`",
+        f"`python bench/generation.py --repeats {args.repeats} --shapes "
+        f"{','.join(args.shapes)}{'' if args.step else ' --no-step'}`",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads; "
-        f"{time.strftime('%Y-%m-%d')}. Real SmolLM2-135M-Instruct, chain_sum prompts, temperature 1, `model.precision: auto`.",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
+        f"threads; {time.strftime('%Y-%m-%d')}. Real SmolLM2-135M-Instruct, chain_sum prompts, temperature 1, "
+        "`model.precision: auto`.",
         "",
         "| | transformers | vLLM | vLLM / transformers |",
         "|---|---:|---:|---:|",
-        f"| engine load (s) | {gen['transformers']['load_s']:.1f} | {gen['vllm']['load_s']:.1f} | {ratio(gen['vllm']['load_s'], gen['transformers']['load_s'])} |",
+        f"| engine load (s) | {gen['transformers']['load_s']:.1f} | {gen['vllm']['load_s']:.1f} | "
+        f"{ratio(gen['vllm']['load_s'], gen['transformers']['load_s'])} |",
     ]
     for shape in gen["transformers"]["shapes"]:
         h, v = gen["transformers"]["shapes"][shape], gen["vllm"]["shapes"][shape]
@@ -172,16 +174,21 @@ def report(gen: dict[str, dict], steps: dict[str, dict], args: argparse.Namespac
         h, v = steps["transformers"], steps["vllm"]
         for i, name in enumerate(("step 1 (cold: loads the engine)", "step 2 (warm)")):
             lines.append(
-                f"| default run, {name}: total step time (s) | {h['total_step_time'][i]:.1f} | {v['total_step_time'][i]:.1f} | {ratio(v['total_step_time'][i], h['total_step_time'][i])} |"
+                f"| default run, {name}: total step time (s) | {h['total_step_time'][i]:.1f} | "
+                f"{v['total_step_time'][i]:.1f} | {ratio(v['total_step_time'][i], h['total_step_time'][i])} |"
             )
             lines.append(
-                f"| default run, {name}: generation (s) | {h['generation'][i]:.1f} | {v['generation'][i]:.1f} | {ratio(v['generation'][i], h['generation'][i])} |"
+                f"| default run, {name}: generation (s) | {h['generation'][i]:.1f} | "
+                f"{v['generation'][i]:.1f} | {ratio(v['generation'][i], h['generation'][i])} |"
             )
         lines.append(
-            f"| default run: token_mult_prob_error per step | {', '.join(f'{x:.4f}' for x in h['token_mult_prob_error'])} | {', '.join(f'{x:.4f}' for x in v['token_mult_prob_error'])} | |"
+            "| default run: token_mult_prob_error per step | "
+            f"{', '.join(f'{x:.4f}' for x in h['token_mult_prob_error'])} | "
+            f"{', '.join(f'{x:.4f}' for x in v['token_mult_prob_error'])} | |"
         )
         lines.append(
-            f"| default run: wall time of 2 steps (s) | {h['wall_s']:.0f} | {v['wall_s']:.0f} | {ratio(v['wall_s'], h['wall_s'])} |"
+            f"| default run: wall time of 2 steps (s) | {h['wall_s']:.0f} | {v['wall_s']:.0f} | "
+            f"{ratio(v['wall_s'], h['wall_s'])} |"
         )
     lines += ["", "Raw: " + json.dumps({"generate": gen, "steps": steps})]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from rl.backends.hf.model import load_model
+from rl.data import val_problems
+from rl.model import load_tokenizer, resolve_model
+from tasks.run_config import load_run_config
+
 
 def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of a proportion p observed over n trials."""
@@ -49,9 +54,6 @@ def pass_at_k(cfg, k: int) -> dict[str, list[bool]]:
     """Per size: for each held-out question, whether any of ``k`` samples of the untrained model is correct."""
     import torch
 
-    from rl.backends.hf.model import load_model
-    from rl.data import val_problems
-    from rl.model import load_tokenizer, resolve_model
     from rl.rollout import generate_groups
 
     torch.manual_seed(0)
@@ -101,7 +103,6 @@ def main() -> None:
     from mlflow.tracking import MlflowClient
 
     from rl.precision import resolve
-    from tasks.run_config import load_run_config
     from workflows.grpo import grpo
 
     cfg = load_run_config(args.cfg)
@@ -124,9 +125,10 @@ def main() -> None:
         + (f" --pass-at-k {args.pass_at_k}" if args.pass_at_k else "")
         + "`"
         + f"; MLflow run `{summary.mlflow_run_id}` in `{cfg.tracking.uri}`.",
-        f"Precision {resolve(cfg.model.precision)}; wall time {wall / 60:.1f} min for {summary.final_step} steps (median step "
-        f"{step_time[len(step_time) // 2]:.1f} s), {n} held-out questions ({cfg.data.dataset} {cfg.data.dataset_kwargs}, "
-        "split by content). Greedy accuracy with 95% Wilson intervals; minutes since the run started.",
+        f"Precision {resolve(cfg.model.precision)}; wall time {wall / 60:.1f} min for {summary.final_step} steps "
+        f"(median step {step_time[len(step_time) // 2]:.1f} s), {n} held-out questions ({cfg.data.dataset} "
+        f"{cfg.data.dataset_kwargs}, split by content). Greedy accuracy with 95% Wilson intervals; minutes since the "
+        "run started.",
         "",
         "| step | minutes | all | " + " | ".join(sizes) + " |",
         "|---:|---:|---|" + "---|" * len(sizes),

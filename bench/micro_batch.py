@@ -4,9 +4,9 @@
 
 One step's batch (8 prompts x 8 completions of the real model, sampled by ours, as in `bench.agreement`), then
 `rl.backends.hf.train.train_on_batch` in bf16 at each micro-batch size, each in a fresh subprocess (peak RSS is per
-process; the sizes take turns, `--repeats` rounds, medians reported): wall time of the update and how far it raises the process's peak RSS
-above the model, its AdamW state and the rollout that made the batch. Same batch and same gradient at every size (micro-batches only split the
-sum); larger micro-batches run fewer, larger matmuls and hold more activations.
+process; the sizes take turns, `--repeats` rounds, medians reported): wall time of the update and how far it raises the
+process's peak RSS above the model, its AdamW state and the rollout that made the batch. Same batch and same gradient at
+every size (micro-batches only split the sum); larger micro-batches run fewer, larger matmuls and hold more activations.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+from rl.backends.hf.model import load_model
+from rl.config import config_from_dict
+from rl.data import train_problems
+from rl.model import load_tokenizer, resolve_model
+from tasks.runtime import set_threads
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -27,12 +33,7 @@ def measure(size: int) -> dict:
     import torch
 
     from bench.agreement import _rollout_batch
-    from rl.backends.hf.model import load_model
     from rl.backends.hf.train import make_optimizer, train_on_batch
-    from rl.config import config_from_dict
-    from rl.data import train_problems
-    from rl.model import load_tokenizer, resolve_model
-    from tasks.runtime import set_threads
 
     set_threads()
     path = resolve_model("SmolLM2-135M-Instruct")
@@ -108,12 +109,15 @@ def main() -> None:
         [
             "# One optimizer update (64 samples, bf16) against the micro-batch size",
             "",
-            f"Command: `python -m bench.micro_batch --sizes {args.sizes} --repeats {args.repeats}`; each run in its own process, medians.",
+            f"Command: `python -m bench.micro_batch --sizes {args.sizes} --repeats {args.repeats}`; each run in its "
+            "own process, medians.",
             "",
-            "| train_micro_batch_size | update wall time (s) | every run (s) | peak RSS before (GiB) | peak RSS added by the update (GiB) |",
+            "| train_micro_batch_size | update wall time (s) | every run (s) | peak RSS before (GiB) | peak RSS "
+            "added by the update (GiB) |",
             "|---:|---:|---|---:|---:|",
             *(
-                f"| {r['size']} | {r['seconds']:.1f} | {', '.join(f'{x:.1f}' for x in r['all_seconds'])} | {r['peak_before'] / gib:.2f} | {r['added'] / gib:.2f} |"
+                f"| {r['size']} | {r['seconds']:.1f} | {', '.join(f'{x:.1f}' for x in r['all_seconds'])} | "
+                f"{r['peak_before'] / gib:.2f} | {r['added'] / gib:.2f} |"
                 for r in rows
             ),
         ]

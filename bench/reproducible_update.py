@@ -21,6 +21,12 @@ import statistics
 import time
 from pathlib import Path
 
+from rl.backends.hf.model import load_model
+from rl.config import config_from_dict
+from rl.data import train_problems
+from rl.model import load_tokenizer, resolve_model
+from tasks.runtime import set_threads
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -35,11 +41,6 @@ def main() -> None:
 
     import rl.backends.hf.train as train
     from bench.agreement import _rollout_batch
-    from rl.backends.hf.model import load_model
-    from rl.config import config_from_dict
-    from rl.data import train_problems
-    from rl.model import load_tokenizer, resolve_model
-    from tasks.runtime import set_threads
 
     set_threads()
     path = resolve_model("SmolLM2-135M-Instruct")
@@ -68,7 +69,8 @@ def main() -> None:
                 h.update(p.detach().contiguous().numpy().tobytes())
             digests[mode].add(h.hexdigest()[:12])
             print(
-                f"[reproducible_update] round {round_ + 1}/{args.repeats} {mode}: {times[mode][-1]:.2f} s, weights {h.hexdigest()[:12]}",
+                f"[reproducible_update] round {round_ + 1}/{args.repeats} {mode}: {times[mode][-1]:.2f} s, weights "
+                f"{h.hexdigest()[:12]}",
                 flush=True,
             )
     med = {m: statistics.median(t) for m, t in times.items()}
@@ -77,14 +79,15 @@ def main() -> None:
             "# The GRPO update with and without torch's deterministic algorithms",
             "",
             f"Command: `python -m bench.reproducible_update --repeats {args.repeats} --precision {args.precision}`; "
-            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}. One step's batch (8 x 8 rollouts of SmolLM2-135M-Instruct), the same "
-            "starting weights each time, the modes alternating.",
+            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch "
+            f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. One step's batch (8 x 8 rollouts of "
+            "SmolLM2-135M-Instruct), the same starting weights each time, the modes alternating.",
             "",
             "| mode | update wall time, median (s) | every run (s) | distinct updated weights over the runs |",
             "|---|---:|---|---:|",
             *(
-                f"| {m} | {med[m]:.2f} | {', '.join(f'{x:.2f}' for x in times[m])} | {len(digests[m])} of {len(times[m])} |"
+                f"| {m} | {med[m]:.2f} | {', '.join(f'{x:.2f}' for x in times[m])} | {len(digests[m])} of "
+                f"{len(times[m])} |"
                 for m in modes
             ),
             "",

@@ -9,11 +9,11 @@ No Flyte and no MLflow in the process (it never imports ``tasks/`` or ``workflow
 transformers, pyarrow, fsspec and tensordict runs it. Steps k = 1 .. ``--repeats`` each run, timed with
 ``torch.cuda.synchronize()`` before every clock read on CUDA, what the step's tasks run:
 
-1. rollout: ``rl.rollout.sample_step`` (B = ``--prompts`` chain_sum problems of step k, G = ``--group`` completions each,
-   temperature 1, scored) and the rollout task's first put (``tasks/trajectories.py``: ``to_columns``, put, seal);
-2. reference_logprobs: ``PolicyBackend.get_reference_policy_logprobs_from_meta``;
-3. advantages: ``rl.advantages.compute_advantages`` and its delta write (``tasks/advantages.py``);
-4. update: ``PolicyBackend.train_from_meta``, one on-policy update as in the default config (``tasks/train.py``);
+1. rollout: ``rl.step.rollout_to_batch`` (B = ``--prompts`` chain_sum problems of step k, G = ``--group`` completions
+   each, temperature 1, scored; the first put of the step partition, sealed), as the rollout task runs it;
+2. reference_logprobs: ``DataPlanePolicy.get_reference_policy_logprobs_from_meta``;
+3. advantages: ``rl.step.write_advantages``, as the advantages task runs it;
+4. update: ``rl.step.update`` (``DataPlanePolicy.train_from_meta``), one on-policy update as in the default config;
 5. refit: ``policy.prepare_checkpoint`` (the train task's gather; a no-op for transformers), then
    ``GenerationBackend.refit(PolicyVersion(k, ..), weights=policy.named_weights())``, the warm in-process refit of
    ``tasks/runtime.py``. Then the step's partition is cleared (timed as data-plane ``clear``).
@@ -23,11 +23,12 @@ the figures are medians over the later steps (token counts: the lower median).
 Generation tok/s = response tokens (eos included) / seconds inside ``GenerationBackend.generate``. Baseline, in the same
 process, run and freed before the back-ends load: transformers ``model.generate`` on the same prompts, each repeated G
 times and left-padded, same T, ``do_sample=True, top_k=0, top_p=1.0``, the model loaded with bf16 weights where the
-precision resolves to bf16 (a GPU; a CPU with native bf16), else float32, with ``attn_implementation="sdpa"``, warmed up once at the full timed shape; its tokens are those after the prompt
-up to and including the first eos. Update MFU = sum_i (6 N + 12 L H S_i) S_i / update seconds / peak: PaLM (arXiv
-2204.02311, appendix B) as ``bench/megatron.py`` counts it (N parameters with tied embeddings once, L layers, H hidden
-size, one forward and one backward, no recomputation), but with each row's own length S_i. It counts every row's whole
-sequence, so a back-end that shares a group's prompt forward shows a higher MFU. Peak: ``bench.megatron.peak_flops()``
+precision resolves to bf16 (a GPU; a CPU with native bf16), else float32, with ``attn_implementation="sdpa"``,
+warmed up once at the full timed shape; its tokens are those after the prompt up to and including the first eos.
+Update MFU = sum_i (6 N + 12 L H S_i) S_i / update seconds / peak: PaLM (arXiv 2204.02311, appendix B) as
+``bench/megatron.py`` counts it (N parameters with tied embeddings once, L layers, H hidden size, one forward and one
+backward, no recomputation), but with each row's own length S_i. It counts every row's whole sequence, so a back-end
+that shares a group's prompt forward shows a higher MFU. Peak: ``bench.megatron.peak_flops()``
 on CUDA; on CPU n/a unless ``GRPOFLOW_PEAK_TFLOPS`` is set. With ``--random-shape`` (a random Llama of
 ``bench.megatron.SIZES``) eos is rare, so completions run to ``--max-new-tokens``, as a speed benchmark wants.
 """
@@ -37,15 +38,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shlex
 import statistics
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from bench.megatron import peak_flops, random_llama
+from dataplane import paths
+from rl.backends import registry
+from rl.backends.dataplane_policy import DataPlanePolicy
+from rl.backends.interfaces import PolicyVersion
+from rl.config import DEFAULT_MODEL, config_from_dict
+from rl.data import prompt_token_ids, train_problems
+from rl.model import load_tokenizer, resolve_model
 
 PHASES = ("rollout", "reference_logprobs", "advantages", "update", "refit")
 
@@ -112,12 +124,9 @@ def select_device(device: str | None) -> tuple[bool, Callable[[], float]]:
 
 def model_path(args: argparse.Namespace, workdir: Path) -> str:
     """``--model``, or the random Llama of ``--random-shape``, built once into ``<workdir>/models/<size>``."""
-    from rl.config import DEFAULT_MODEL
-    from rl.model import resolve_model
 
     if not args.random_shape:
         return args.model or resolve_model(DEFAULT_MODEL)
-    from bench.megatron import random_llama
 
     target = workdir / "models" / args.random_shape
     if not target.exists():  # written under a temporary name and renamed: a folder there is complete
@@ -152,8 +161,6 @@ def baseline_generate(
     """Median tok/s of plain transformers ``model.generate`` on ``prompts`` x ``group`` (see the module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from rl.model import load_tokenizer
 
     tok = load_tokenizer(path)  # left padding
     model = AutoModelForCausalLM.from_pretrained(
@@ -208,46 +215,11 @@ class Timed:
         return timed
 
 
-def rollout(generator: Any, tokenizer: Any, cfg: Any, dp: Any, step: int) -> tuple[Any, dict[str, float]]:
-    """Step ``step``'s B groups, scored and put into its partition (``tasks/trajectories.py`` ``generate_batch``)."""
-    from dataplane import paths
-    from rl.rollout import STEP_SCHEMA, sample_step, to_columns
-
-    g = cfg.grpo.num_generations_per_prompt
-    groups, sample_mask, metrics = sample_step(generator, tokenizer, cfg, step=step)
-    columns = to_columns(groups, sample_mask, group_size=g, weight_version=generator.weight_version)
-    partition = paths.step_partition(step)
-    dp.register_partition(partition, fields=STEP_SCHEMA, consumers=["prev_lp", "ref_lp", "train"])
-    meta = dp.put(partition, columns, group_size=g, task_name="rollout", id_key="rollout").stamp_pad_seqlen()
-    dp.seal(meta)
-    return meta, metrics
-
-
-def write_advantages(cfg: Any, dp: Any, meta: Any) -> Any:
-    """Per-sample advantages written on every token of the sample (``tasks/advantages.py`` less its metrics)."""
-    import torch
-
-    from dataplane import fields as F
-    from dataplane.codec import nested_from_values
-    from rl.advantages import advantages_for_step
-
-    cols = dp.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS, F.PROMPT_LENGTHS])
-    lengths = cols[F.INPUT_LENGTHS]  # [N]
-    adv = advantages_for_step(
-        cols[F.REWARDS], cols[F.SAMPLE_MASK], lengths - cols[F.PROMPT_LENGTHS], cfg
-    ).advantages  # [N]
-    per_token = nested_from_values(torch.repeat_interleave(adv, lengths), lengths)  # [N, L_i]
-    return dp.write_columns(meta, {F.ADVANTAGES: per_token}, task_name="advantages")
-
-
 def grpo_step(
     step: int, *, cfg: Any, tokenizer: Any, gen: Any, policy: Any, dp: Timed, now: Callable[[], float], base: str
 ) -> dict[str, Any]:
     """Run and time step ``step`` (the phases of the module docstring); the policy holds version ``step - 1``."""
-    from dataplane import fields as F
-    from dataplane import paths
-    from rl.backends.interfaces import PolicyVersion
-    from rl.seeding import seed_all, step_seed
+    from rl.step import rollout_to_batch, update, write_advantages
 
     seconds: dict[str, float] = {}
     io: dict[str, float] = {}
@@ -259,17 +231,17 @@ def grpo_step(
         seconds[name], io[name] = now() - t0, dp.seconds
 
     timed_gen = Timed(gen, ("generate",), now)
+    trainer = DataPlanePolicy(policy, dp)
     start = now()
     with phase("rollout"):
-        meta, metrics = rollout(timed_gen, tokenizer, cfg, dp, step)
+        meta = rollout_to_batch(timed_gen, tokenizer, cfg, dataplane=dp, step=step)
+    metrics = {k.removeprefix("rollout/"): v for k, v in meta.extra_info.items() if k.startswith("rollout/")}
     with phase("reference_logprobs"):
-        meta = policy.get_reference_policy_logprobs_from_meta(meta, dp)
+        meta = trainer.get_reference_policy_logprobs_from_meta(meta)
     with phase("advantages"):
-        meta = write_advantages(cfg, dp, meta)
-    wanted = [f for f in F.DP_TRAIN_FIELDS if f != F.PREV_LOGPROBS]  # on-policy: the update's own forward gives them
-    seed_all(step_seed(cfg.grpo.seed, step, "train"))
-    with phase("update"):
-        trained = policy.train_from_meta(meta, dp, fields=wanted, rows_per_update=cfg.global_batch_size)
+        meta, _, _ = write_advantages(cfg, dp, meta)
+    with phase("update"):  # on-policy: no prev_logprobs, the update's own forward gives them
+        trained = update(cfg, trainer, meta, step=step)
     with phase("refit"):  # gather the policy (megatron: shards to rank 0) and copy it in; the path is never read
         policy.prepare_checkpoint(with_trainer_state=False)
         gen.refit(PolicyVersion(step=step, path=base), weights=policy.named_weights())
@@ -292,12 +264,8 @@ def grpo_step(
 
 def run_steps(path: str, cfg: Any, *, repeats: int, now: Callable[[], float], workdir: Path) -> list[dict[str, Any]]:
     """Build both back-ends as ``tasks/runtime.py`` does, then run steps 1 .. ``repeats``."""
-    import uuid
 
     from dataplane.client import DataPlane
-    from rl.backends import registry
-    from rl.backends.interfaces import PolicyVersion
-    from rl.model import load_tokenizer
 
     tok = load_tokenizer(path)
     gen = registry.load("generation", cfg.generation.backend)(cfg, tokenizer=tok, model_path=path)
@@ -321,7 +289,6 @@ def summarize(
 ) -> dict[str, Any]:
     """Medians over the steps after the warm-up (over the only step when there is one); adds each step's
     ``update_flops`` in place of its row ``lengths``."""
-    from bench.megatron import peak_flops
 
     timed = steps[1:] or steps
 
@@ -364,12 +331,15 @@ def table(r: dict[str, Any]) -> str:
     return (
         "\n".join(
             [
-                f"# One GRPO step: {r['generation_backend']} generation, {r['policy_backend']} policy ({r['device']}: {r['device_name']}, torch {r['torch']})",
+                f"# One GRPO step: {r['generation_backend']} generation, {r['policy_backend']} policy "
+                f"({r['device']}: {r['device_name']}, torch {r['torch']})",
                 "",
                 f"`{r['command']}`",
                 "",
-                f"Model {r['shape']} ({r['params'] / 1e6:.1f}M parameters), B x G x T = {r['prompts']} x {r['group']} x {r['max_new_tokens']}, "
-                f"precision {r['precision_requested']} -> {r['precision']}; median of {r['timed_steps']} step(s), {warm}.",
+                f"Model {r['shape']} ({r['params'] / 1e6:.1f}M parameters), "
+                f"B x G x T = {r['prompts']} x {r['group']} x {r['max_new_tokens']}, "
+                f"precision {r['precision_requested']} -> {r['precision']}; "
+                f"median of {r['timed_steps']} step(s), {warm}.",
                 "",
                 "| phase | s (median) | share of step | data plane inside (s) |",
                 "|---|---|---|---|",
@@ -380,8 +350,10 @@ def table(r: dict[str, Any]) -> str:
                 "| figure | value |",
                 "|---|---|",
                 f"| generated tokens (rollout) | {r['generated_tokens']:,} in {r['generation_s']:.3f} s of generate |",
-                f"| generation tok/s: ours / baseline transformers generate ({r['precision']} weights, sdpa) | {r['gen_tok_per_s']:,.0f} / {r['baseline_tok_per_s']:,.0f} = {r['gen_vs_baseline']:.2f} |",
-                f"| update tokens (sum of input_lengths), tok/s | {r['update_tokens']:,}, {r['update_tok_per_s']:,.0f} |",
+                f"| generation tok/s: ours / baseline transformers generate ({r['precision']} weights, sdpa) | "
+                f"{r['gen_tok_per_s']:,.0f} / {r['baseline_tok_per_s']:,.0f} = {r['gen_vs_baseline']:.2f} |",
+                f"| update tokens (sum of input_lengths), tok/s | "
+                f"{r['update_tokens']:,}, {r['update_tok_per_s']:,.0f} |",
                 f"| update MFU | {mfu} |",
             ]
         )
@@ -392,9 +364,6 @@ def table(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     cuda, now = select_device(args.device)
-    from rl.config import config_from_dict
-    from rl.data import prompt_token_ids, train_problems
-    from rl.model import load_tokenizer
     from rl.precision import resolve
 
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
@@ -455,7 +424,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def describe(args: argparse.Namespace, argv: list[str] | None, *, path: str, cuda: bool, params: int) -> dict[str, Any]:
     """What ran where: device, versions, model, shape of the step, the command."""
-    import platform
 
     import torch
 

@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rl.config import config_from_dict
+from rl.config.loading import read_config_source
+from tasks.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("default", "grpo", "dr_grpo", "dapo", "gspo", "cispo")
@@ -31,8 +36,6 @@ VARIANTS = ("default", "grpo", "dr_grpo", "dapo", "gspo", "cispo")
 
 def run_config(variant: str, seed: int, steps: int) -> dict:
     """The nested config of one run: the learning config, the variant's keys, the seed and the step count."""
-    from rl.config.loading import read_config_source
-
     cfg = read_config_source(str(REPO / "configs" / "learning.yaml"))
     extra = {} if variant == "default" else read_config_source(str(REPO / "configs" / "variants" / f"{variant}.yaml"))
     for section, values in extra.items():
@@ -53,8 +56,6 @@ def one_run(variant: str, seed: int, steps: int, out: Path) -> None:
     """Train one variant at one seed in this process and write its validation curve and timings to ``out``."""
     from mlflow.tracking import MlflowClient
 
-    from rl.config import config_from_dict
-    from tasks.run_config import RunConfig
     from workflows.grpo import grpo
 
     cfg = config_from_dict(run_config(variant, seed, steps), root=RunConfig)
@@ -82,17 +83,16 @@ def one_run(variant: str, seed: int, steps: int, out: Path) -> None:
 
 def summarize(results: list[dict], steps: int, seeds: list[int], variants: list[str], command: str) -> str:
     """The markdown table: per variant, the held-out accuracy at step 0 and at ``steps`` over the seeds."""
-    import platform
-
     lines = [
         f"# GRPO variants on the learning config, {steps} steps, seeds {', '.join(map(str, seeds))}",
         "",
         f"Command: `{command}`; {platform.machine()}, {time.strftime('%Y-%m-%d')}. `configs/learning.yaml` plus each "
-        "variant's `configs/variants/<name>.yaml`, 4 optimizer updates per step (`optim.train_global_batch_size: 16`), "
-        "greedy accuracy on the 200 held-out chain_sum questions. Mean and sample std over the seeds; each seed's value "
-        "in brackets.",
+        "variant's `configs/variants/<name>.yaml`, 4 optimizer updates per step (`optim.train_global_batch_size: "
+        "16`), greedy accuracy on the 200 held-out chain_sum questions. Mean and sample std over the seeds; each "
+        "seed's value in brackets.",
         "",
-        f"| variant | step 0 | step {steps}, mean ± std | step {steps}, per seed | mean train reward, last 5 steps | KL to the reference at step {steps} | median step (s) |",
+        f"| variant | step 0 | step {steps}, mean ± std | step {steps}, per seed | mean train reward, last 5 "
+        f"steps | KL to the reference at step {steps} | median step (s) |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
     for v in variants:
@@ -107,7 +107,8 @@ def summarize(results: list[dict], steps: int, seeds: list[int], variants: list[
         spread = statistics.stdev(end) if len(end) > 1 else 0.0
         lines.append(
             f"| {v} | {statistics.mean(start):.3f} | {statistics.mean(end):.3f} ± {spread:.3f} | "
-            f"[{', '.join(f'{x:.3f}' for x in end)}] | {statistics.mean(late):.3f} | {statistics.mean(kl):.3f} | {statistics.median(times):.1f} |"
+            f"[{', '.join(f'{x:.3f}' for x in end)}] | {statistics.mean(late):.3f} | "
+            f"{statistics.mean(kl):.3f} | {statistics.median(times):.1f} |"
         )
     return "\n".join(lines) + "\n"
 

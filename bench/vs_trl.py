@@ -31,11 +31,13 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,13 +46,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 
+from rl.backends.hf.model import load_model  # noqa: E402
+from rl.data import Problem, prompt_token_ids, score, train_problems, val_problems  # noqa: E402
+from rl.model import load_tokenizer, resolve_model  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------- settings
 
 
 def ours_config(spec: dict):
     """Our `RunConfig` for the benchmark (data settings are the config defaults: the same for both sides)."""
-    from tasks.run_config import run_config_from_dict
+    from tasks.run_config import run_config_from_dict  # not on the TRL side: its process time counts imports
 
     n = spec["prompts"] * spec["generations"]
     work = Path(spec["workdir"])
@@ -143,9 +148,6 @@ def side_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
-
-    from rl.data import Problem, prompt_token_ids, score, train_problems
-    from rl.model import load_tokenizer
 
     d = data_settings(spec)
     b, g, steps = spec["prompts"], spec["generations"], spec["steps"]
@@ -314,10 +316,7 @@ def side_eval(spec: dict) -> dict:
     import torch
 
     from rl.backends.hf.decode import generate
-    from rl.backends.hf.model import load_model
     from rl.checkpoint import local_copy
-    from rl.data import prompt_token_ids, score, val_problems
-    from rl.model import load_tokenizer
 
     d = data_settings(spec)
     problems = val_problems(
@@ -442,8 +441,6 @@ def report(
     total_wall: float,
     reused: int = 0,
 ) -> str:
-    from importlib import metadata
-
     def version(dist: str) -> str:
         try:
             return metadata.version(dist)
@@ -498,7 +495,8 @@ def report(
         f"seed {seeds[0]}"
         if len(seeds) == 1
         else f"seeds {', '.join(map(str, seeds))}: each side runs once per seed (same problems in the same order, "
-        "only the sampling differs); step times, tokens/s and memory pool all seeds, rewards per step are means over seeds"
+        "only the sampling differs); step times, tokens/s and memory pool all seeds, rewards per step are means over "
+        "seeds"
     )
     loo = spec["baseline"] == "leave-one-out"
     lines = [
@@ -511,84 +509,103 @@ def report(
             else ""
         )
         + ").",
-        f"Machine: nproc {m['nproc']}, {m['cpu']}, {m['mem']} RAM; torch threads ours {first[0]['torch_threads']}, TRL {first[1]['torch_threads']}.",
+        f"Machine: nproc {m['nproc']}, {m['cpu']}, {m['mem']} RAM; torch threads ours "
+        f"{first[0]['torch_threads']}, TRL {first[1]['torch_threads']}.",
         f"Versions: torch {version('torch')}, transformers {version('transformers')}, trl {first[1]['trl_version']}, "
         f"flytekit {version('flytekit')}, mlflow {version('mlflow')}.",
         "",
-        f"**Precision: ours {spec['precision']}, TRL {spec['trl_precision']}** (bfloat16 = mixed precision with float32 master "
-        "weights: ours `model.precision: bfloat16`, the LM head's matmul in bf16 with the target and top-8 logits exact in float32, "
-        "`rl.backends.hf.lm_head`; TRL `bf16=True`, HF Trainer's CPU autocast); held-out "
-        "evaluation in float32 for every model. Same model folder (`"
+        f"**Precision: ours {spec['precision']}, TRL {spec['trl_precision']}** (bfloat16 = mixed precision with "
+        "float32 master weights: ours `model.precision: bfloat16`, the LM head's matmul in bf16 with the target and "
+        "top-8 logits exact in float32, `rl.backends.hf.lm_head`; TRL `bf16=True`, HF Trainer's CPU autocast); "
+        "held-out evaluation in float32 for every model. Same model folder (`"
         + spec["model_path"]
         + "`), same training problems in the "
-        f"same order ({spec['data']['dataset']} {spec['data']['dataset_kwargs']}, seed {spec['data']['seed']}; step k uses "
-        "problems (k-1)*B .. k*B-1), same chat-formatted prompts (system prompt "
-        f"{spec['data']['system_prompt']!r}; token ids identical: {first[1]['prompts_identical']}), same reward (`rl.data.score`).",
+        f"same order ({spec['data']['dataset']} {spec['data']['dataset_kwargs']}, seed {spec['data']['seed']}; step k "
+        "uses problems (k-1)*B .. k*B-1), same chat-formatted prompts (system prompt "
+        f"{spec['data']['system_prompt']!r}; token ids identical: {first[1]['prompts_identical']}), same reward "
+        "(`rl.data.score`).",
         "",
-        f"Settings, both sides: {spec['prompts']} prompts x {spec['generations']} completions per step ({n} samples, one optimizer "
-        f"update), max {spec['max_new_tokens']} new tokens, temperature {spec['temperature']}, top-p 1, top-k off, lr {spec['lr']:g} "
-        f"constant (AdamW 0.9/0.999, eps 1e-8, weight decay {spec['weight_decay']:g}), grad-norm clip {spec['max_grad_norm']:g}, "
-        f"KL k3 beta {spec['beta']:g}, ratio clip {spec['clip']:g}/{spec['clip']:g}, token-level loss over the active tokens of the step "
+        f"Settings, both sides: {spec['prompts']} prompts x {spec['generations']} completions per step ({n} "
+        "samples, one optimizer "
+        f"update), max {spec['max_new_tokens']} new tokens, temperature {spec['temperature']}, top-p 1, "
+        f"top-k off, lr {spec['lr']:g} "
+        f"constant (AdamW 0.9/0.999, eps 1e-8, weight decay {spec['weight_decay']:g}), grad-norm clip "
+        f"{spec['max_grad_norm']:g}, "
+        f"KL k3 beta {spec['beta']:g}, ratio clip {spec['clip']:g}/{spec['clip']:g}, token-level loss over "
+        "the active tokens of the step "
         f'batch (TRL `loss_type="dapo"`), group std normalization (TRL `scale_rewards="group"`), one update per batch '
-        f"(TRL `num_iterations=1`), micro-batch ours {spec['micro_batch']}, TRL {spec['trl_micro_batch']} (gradient accumulation "
-        f"{n // spec['trl_micro_batch']}), "
-        "no vLLM, " + seed_note + ".",
+        f"(TRL `num_iterations=1`), micro-batch ours {spec['micro_batch']}, TRL {spec['trl_micro_batch']} "
+        f"(gradient accumulation {n // spec['trl_micro_batch']}), no vLLM, " + seed_note + ".",
         "",
         "| | ours (grpoflow, Flyte local) | TRL GRPOTrainer | ours / TRL |",
         "|---|---:|---:|---:|",
         f"| median step wall time (s) | {o_med:.2f} | {t_med:.2f} | {ratio(o_med, t_med)} |",
-        f"| median step wall time, ours without weight saving (s) | {statistics.median(o_ex):.2f} | {t_med:.2f} | {ratio(statistics.median(o_ex), t_med)} |",
-        f"| step wall times (s{'' if len(seeds) == 1 else ', first seed'}) | {steps(first[0]['step_time_s'], '.2f')} | {steps(first[1]['step_time_s'], '.2f')} | |",
-        f"| generated tokens per step | {steps(step_means(ours, 'generated_tokens'), '.0f')} | {steps(step_means(trl_res, 'generated_tokens'), '.0f')} | |",
-        f"| generated tokens/s (median over steps of tokens / step time) | {o_rate:.1f} | {t_rate:.1f} | {ratio(o_rate, t_rate)} |",
+        f"| median step wall time, ours without weight saving (s) | {statistics.median(o_ex):.2f} | "
+        f"{t_med:.2f} | {ratio(statistics.median(o_ex), t_med)} |",
+        f"| step wall times (s{'' if len(seeds) == 1 else ', first seed'}) | "
+        f"{steps(first[0]['step_time_s'], '.2f')} | {steps(first[1]['step_time_s'], '.2f')} | |",
+        f"| generated tokens per step | {steps(step_means(ours, 'generated_tokens'), '.0f')} | "
+        f"{steps(step_means(trl_res, 'generated_tokens'), '.0f')} | |",
+        f"| generated tokens/s (median over steps of tokens / step time) | {o_rate:.1f} | {t_rate:.1f} | "
+        f"{ratio(o_rate, t_rate)} |",
         f"| peak RSS of the side's process (GiB) | {o_mem:.2f} | {t_mem:.2f} | {ratio(o_mem, t_mem)} |",
-        f"| process wall time, incl. imports, model loading, saving (s) | {o_wall:.1f} | {t_wall:.1f} | {ratio(o_wall, t_wall)} |",
-        f"| training reward per step | {steps(step_means(ours, 'reward'), '.3f')} | {steps(step_means(trl_res, 'reward'), '.3f')} | |",
+        f"| process wall time, incl. imports, model loading, saving (s) | {o_wall:.1f} | {t_wall:.1f} | "
+        f"{ratio(o_wall, t_wall)} |",
+        f"| training reward per step | {steps(step_means(ours, 'reward'), '.3f')} | "
+        f"{steps(step_means(trl_res, 'reward'), '.3f')} | |",
         f"| mean training reward over steps | {o_rew:.3f} | {t_rew:.3f} | {ratio(o_rew, t_rew)} |",
         f"| greedy held-out accuracy before (initial model, shared) [95% CI] | {acc(before)} | {acc(before)} | 1.00 |",
-        f"| greedy held-out accuracy after [95% CI{'' if len(seeds) == 1 else ', pooled over seeds'}] | {acc(o_acc, k * len(seeds))} | {acc(t_acc, k * len(seeds))} | {ratio(o_acc, t_acc)} |",
+        f"| greedy held-out accuracy after [95% CI{'' if len(seeds) == 1 else ', pooled over seeds'}] | "
+        f"{acc(o_acc, k * len(seeds))} | {acc(t_acc, k * len(seeds))} | {ratio(o_acc, t_acc)} |",
         *(
             [f"| held-out accuracy after, per seed | {per_seed(o_accs)} | {per_seed(t_accs)} | ours - TRL: {paired} |"]
             if len(seeds) > 1
             else []
         ),
         "",
-        f"Held-out: {k} problems from `rl.data.val_problems` (val seed {spec['data']['val_seed']}, the validation split by question "
-        f"hash, never trained on), greedy, max {spec['max_new_tokens']} new tokens, scored with `rl.data.score` "
-        f"(accuracy = share with reward 1). Mean greedy length before {ev['before']['mean_length']:.1f}, after: ours "
+        f"Held-out: {k} problems from `rl.data.val_problems` (val seed {spec['data']['val_seed']}, the validation "
+        f"split by question hash, never trained on), greedy, max {spec['max_new_tokens']} new tokens, scored with "
+        "`rl.data.score` (accuracy = share with reward 1). Mean greedy length before "
+        f"{ev['before']['mean_length']:.1f}, after: ours "
         f"{statistics.mean(ev[f'ours/{s}']['mean_length'] for s in seeds):.1f}, TRL "
         f"{statistics.mean(ev[f'trl/{s}']['mean_length'] for s in seeds):.1f} tokens.",
         "",
         "Settings that differ between the sides:",
         "",
         (
-            "- baseline: ours uses its default leave-one-out baseline (`--ours-baseline leave-one-out`); TRL has only the group mean."
+            "- baseline: ours uses its default leave-one-out baseline (`--ours-baseline leave-one-out`); TRL has "
+            "only the group mean."
             if loo
             else "- baseline: group mean on both sides; ours' default leave-one-out baseline is turned off "
-            "(`grpo.use_leave_one_out_baseline: false`) because TRL has none (`--ours-baseline leave-one-out` keeps it)."
+            "(`grpo.use_leave_one_out_baseline: false`) because TRL has none (`--ours-baseline leave-one-out` keeps "
+            "it)."
         ),
-        "- std normalization: both divide by the group's Bessel-corrected reward std; ours adds eps 1e-6 (and only where std > 0), TRL adds 1e-4.",
-        "- KL: both k3 = exp(ref - logp) - (ref - logp) - 1 weighted by beta (TRL `use_bias_correction_kl=False`); ours clamps the log-ratio "
+        "- std normalization: both divide by the group's Bessel-corrected reward std; ours adds eps 1e-6 "
+        "(and only where std > 0), TRL adds 1e-4.",
+        "- KL: both k3 = exp(ref - logp) - (ref - logp) - 1 weighted by beta (TRL "
+        "`use_bias_correction_kl=False`); ours clamps the log-ratio "
         "to +-20 and the per-token KL to 10 (NeMo-RL), TRL does not clamp.",
         "- weight decay: both AdamW 0.01, but HF Trainer exempts biases and norm weights; ours decays every parameter.",
         "- sampling randomness: same seed value, different streams (ours re-seeds every RNG per step and purpose with "
         "`rl.seeding.step_seed`, TRL seeds once), so the completions, and hence rewards and updates, differ.",
-        "- step time scope: ours' step (rollout task start to train task end) includes Flyte task overhead, data-plane Parquet I/O "
-        "and saving the step's weights (a full checkpoint on the last step; the row 'without weight saving' subtracts it), and its "
-        "step 1 loads the policy and reference models; TRL loads both before its first step and saves nothing during steps.",
-        "- generation: ours runs its own KV-cached decode loop (one prefill per distinct prompt, inverse-CDF sampling, finished "
-        "rows leave the batch); TRL calls transformers `generate`.",
-        "- forward passes: ours encodes each group's shared prompt once per micro-batch (the completions attend to its KV "
-        "cache, `rl.backends.hf.logprobs.forward_logprobs`), runs the LM head only on response tokens (bf16 matmul, float32-exact target and "
-        "top-8 logits, `rl.backends.hf.lm_head`) and uses eager attention; TRL runs every padded row through the full model "
-        "(SDPA attention, the LM head on all completion positions under bf16 autocast).",
+        "- step time scope: ours' step (rollout task start to train task end) includes Flyte task overhead, "
+        "data-plane Parquet I/O and saving the step's weights (a full checkpoint on the last step; the row 'without "
+        "weight saving' subtracts it), and its step 1 loads the policy and reference models; TRL loads both before "
+        "its first step and saves nothing during steps.",
+        "- generation: ours runs its own KV-cached decode loop (one prefill per distinct prompt, inverse-CDF "
+        "sampling, finished rows leave the batch); TRL calls transformers `generate`.",
+        "- forward passes: ours encodes each group's shared prompt once per micro-batch (the completions attend to "
+        "its KV cache, `rl.backends.hf.logprobs.forward_logprobs`), runs the LM head only on response tokens (bf16 "
+        "matmul, float32-exact target and top-8 logits, `rl.backends.hf.lm_head`) and uses eager attention; TRL runs "
+        "every padded row through the full model (SDPA attention, the LM head on all completion positions under bf16 "
+        "autocast).",
         "- extra work per step: ours computes generation logprobs while sampling; TRL computes per-token "
-        "entropy in its training forward. Reference logprobs in batches of the micro-batch size; TRL shuffles the step's "
-        "rows before splitting them into micro-batches (same gradient).",
-        "- TRL step split (medians): "
-        f"{_med(pooled(trl_res, 'until_optimizer_s'))} s from step begin to the optimizer step (generation, logprobs, forward/backward, "
-        f"grad clip), {_med(pooled(trl_res, 'optimizer_s'))} s in `optimizer.step`; TRL's own logged `step_time` (its `training_step` "
-        f"calls only) {_med(pooled(trl_res, 'trl_step_time_s'))} s.",
+        "entropy in its training forward. Reference logprobs in batches of the micro-batch size; TRL "
+        "shuffles the step's rows before splitting them into micro-batches (same gradient).",
+        f"- TRL step split (medians): {_med(pooled(trl_res, 'until_optimizer_s'))} s from step begin to the optimizer "
+        f"step (generation, logprobs, forward/backward, grad clip), {_med(pooled(trl_res, 'optimizer_s'))} s in "
+        "`optimizer.step`; TRL's own logged `step_time` (its `training_step` calls only) "
+        f"{_med(pooled(trl_res, 'trl_step_time_s'))} s.",
         "- generated tokens: both count the eos token of completions that end; TRL's come from its logged "
         "`completions/mean_length` x samples per step.",
     ]
@@ -667,8 +684,6 @@ def main() -> None:
     seeds = args.seeds or [args.seed]
     if len(set(seeds)) != len(seeds):
         parser.error(f"--seeds {seeds} repeats a seed; give distinct seeds")
-    from rl.model import resolve_model
-
     command = "python bench/vs_trl.py" + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "")
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vs_trl-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -695,8 +710,6 @@ def main() -> None:
         "workdir": str(work),
     }
     spec["data"] = data_settings(spec)
-    from rl.data import val_problems
-
     d = spec["data"]
     try:  # the held-out set must exist before any side runs
         val_problems(
@@ -743,8 +756,6 @@ def main() -> None:
         if args.keep_workdir or args.workdir:
             print(f"[vs_trl] kept {work}", flush=True)
         else:
-            import shutil
-
             shutil.rmtree(work, ignore_errors=True)
     print(text)
     out = REPO / args.out

@@ -1,21 +1,15 @@
-"""`DataPlane`: the object-store client (register, put, delta write, read, discard, clear).
+"""`DataPlane`: the object-store client (register, seal, put, delta write, read, clear, collect garbage).
 
-Owns every read and write of partition data; the layout itself is `dataplane.paths`, the
-tensor<->Arrow codec is `dataplane.codec`. Works over any fsspec URL (local folder, ``s3://``, ...).
+Owns every read and write of partition data. The layout itself is `dataplane.paths`, the tensor<->Arrow codec
+`dataplane.codec`, the partition records (schema, seal) `dataplane.partitions`, the commit-record format
+`dataplane.commits`, and garbage collection `dataplane.gc`. Works over any fsspec URL (local folder, ``s3://``, ...).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import hashlib
-import json
-import math
-import re
 import time
 import uuid
-import warnings
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +19,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from dataplane import paths
+from dataplane import commits, gc, partitions, paths
 from dataplane.codec import DTYPE_KEY, Layout, column_from_arrow, column_to_arrow, materialize, nested_lengths
-from dataplane.errors import DataPlaneError, IntegrityError, StaleMetaError, retry_transient
+from dataplane.commits import Snapshot, checksum
+from dataplane.errors import DataPlaneError, DataPlaneWarning, IntegrityError, StaleMetaError, retry_transient
 from dataplane.fields import INPUT_LENGTHS, SAMPLE_ID, TOKEN_FIELDS
+from dataplane.gc import GC_GRACE_S
 from dataplane.meta import GLOBAL_FORWARD_PAD_SEQLEN, KVBatchMeta
+from dataplane.urls import check_root, redact
 
 if TYPE_CHECKING:  # tensordict costs ~1.7 s to import: only the model tasks load it
     from tensordict import TensorDict
@@ -45,45 +42,11 @@ __all__ = [
     "StaleMetaError",
 ]
 
-GC_GRACE_S = 3600.0
-"""Default grace period of :meth:`DataPlane.collect_garbage` (s): a data file or temporary object younger than this
-(by its store's clock) is never removed, whether or not a commit record names it yet, so a write in flight (data file
-uploaded, commit record not yet written) is never taken for an orphan. It must exceed :data:`COMMIT_DEADLINE_S` plus
-the commit's own retries (``dataplane.errors.RETRY_DEADLINE_S``, 2 minutes): one hour leaves a factor of 5 over both,
-and a zombie attempt that has not committed an hour after its upload started has missed that deadline and does not
-commit."""
-
 COMMIT_DEADLINE_S = 600.0
 """Longest time (s) from the start of a write's data-file upload to the start of its commit: a writer that gets
 there later (a process paused or starved, an upload retried for minutes) raises ``TimeoutError`` instead of committing
 (Flyte retries the task; the retry uploads afresh), because a garbage collection may by then count its file as old
-enough to remove. Keep it well under :data:`GC_GRACE_S`."""
-
-_DATA_FILE = re.compile(r"data/[0-9a-f]{32}-[0-9a-f]{8}\.parquet")
-"""What a commit record's ``file`` may name: a data file of its own partition."""
-
-
-_LEFTOVER_MARKS = (".tmp-", ".old-")
-"""Name parts of temporary objects that an interrupted write leaves (commit temps, checkpoint staging folders)."""
-
-
-class DataPlaneWarning(UserWarning):
-    """Something under a partition was skipped on read (a malformed or stray commit record); the message names it."""
-
-
-def _checksum(data: Any) -> str:
-    """CRC-32 of a file's bytes, as 8 hex digits (zlib; 2.2 GB/s here against sha256's 1.5 GB/s: the data plane
-    guards against corruption and swapped files, not against an adversary)."""
-    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
-
-
-def _write_id(fields: Sequence[str], sample_ids: Sequence[str]) -> str:
-    """Deterministic id of a write: the same fields for the same rows (a retry) map to the same commit."""
-    digest = hashlib.sha256()
-    digest.update("\n".join(sorted(fields)).encode())
-    digest.update(b"\0")
-    digest.update("\n".join(sample_ids).encode())
-    return digest.hexdigest()[:32]
+enough to remove. Keep it well under ``GC_GRACE_S`` (``dataplane.gc``)."""
 
 
 class DataPlane:
@@ -117,8 +80,6 @@ class DataPlane:
     """
 
     def __init__(self, root: str, run_id: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
-        from dataplane.urls import check_root
-
         self.root_url = check_root(root)
         self.run_id = paths.check_name("run_id", run_id)
         # No listings cache: s3fs would answer ls/exists/open from listings made before other processes
@@ -128,8 +89,6 @@ class DataPlane:
         self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
     def __repr__(self) -> str:
-        from dataplane.urls import redact
-
         return f"DataPlane(root={redact(self.root_url)!r}, run_id={self.run_id!r})"
 
     # ---------------------------------------------------------------- layout
@@ -155,11 +114,9 @@ class DataPlane:
             self._io(f"write {path}", lambda: self.fs.pipe_file(path, payload))
 
     # ---------------------------------------------------------------- partitions
-    def register_partition(
-        self, partition_id: str, *, fields: Mapping[str, str], consumers: Sequence[str] = ()
-    ) -> None:
+    def register_partition(self, partition_id: str, *, fields: Mapping[str, str]) -> None:
         """Declare a partition's fields (name -> dtype name: ``int64``, ``float32``, ``bool``, ``bfloat16``,
-        ``str``, ``struct``) and its consumer tasks. Idempotent; re-registering replaces the schema.
+        ``str``, ``struct``). Idempotent; re-registering replaces the schema.
 
         Raises:
             ValueError: an invalid partition or field name.
@@ -167,8 +124,7 @@ class DataPlane:
         part = self._part(partition_id)
         for name in fields:
             paths.check_name("field", name)
-        doc = {"partition_id": partition_id, "fields": dict(fields), "consumers": list(consumers)}
-        self._put_atomic(paths.schema_path(part), json.dumps(doc, sort_keys=True).encode())
+        self._put_atomic(paths.schema_path(part), partitions.encode_schema(partition_id, fields))
 
     def schema(self, partition_id: str) -> dict[str, str]:
         """Registered fields of a partition (name -> dtype name).
@@ -182,11 +138,9 @@ class DataPlane:
             blob = self._io(f"read {path}", lambda: self.fs.cat_file(path, start=0))  # start=0: no HEAD first on s3fs
         except FileNotFoundError:
             raise DataPlaneError(self._missing(partition_id)) from None
-        return _schema_fields(path, blob)
+        return partitions.parse_schema(path, blob)
 
     def _missing(self, partition_id: str) -> str:
-        from dataplane.urls import redact
-
         return (
             f"partition {partition_id!r} of run {self.run_id!r} under {redact(self.root_url)!r} does not exist: "
             "it was never registered or it was cleared"
@@ -196,7 +150,7 @@ class DataPlane:
         """Record ``meta`` as its partition's finished batch (its rows all written): a later process finds it with
         :meth:`sealed` instead of producing the batch again. Written atomically, after the writes it names."""
         path = paths.sealed_path(self._part(meta.partition_id))
-        self._put_atomic(path, json.dumps(dataclasses.asdict(meta), sort_keys=True).encode())
+        self._put_atomic(path, partitions.encode_sealed(meta))
 
     def sealed(self, partition_id: str) -> KVBatchMeta | None:
         """The meta :meth:`seal` recorded for ``partition_id``; None when the partition was never sealed (a producer
@@ -210,15 +164,7 @@ class DataPlane:
             blob = self._io(f"read {path}", lambda: self.fs.cat_file(path, start=0))
         except FileNotFoundError:
             return None
-        try:
-            return KVBatchMeta(**json.loads(blob))
-        except (ValueError, TypeError) as err:
-            msg = f"{path}: not a sealed batch record ({err}); clear partition {partition_id!r} to produce it again"
-            raise IntegrityError(msg) from None
-
-    def exists(self, partition_id: str) -> bool:
-        path = paths.schema_path(self._part(partition_id))
-        return bool(self._io(f"check {path}", lambda: self.fs.exists(path)))
+        return partitions.parse_sealed(path, blob, partition_id)
 
     def clear(self, partition_id: str) -> None:
         """Delete a partition and everything in it; later reads of it raise DataPlaneError."""
@@ -259,66 +205,15 @@ class DataPlane:
         Raises:
             ValueError: ``grace_s`` negative or not finite.
         """
-        if not (isinstance(grace_s, (int, float)) and math.isfinite(grace_s) and grace_s >= 0):
-            msg = f"grace_s must be a finite number of seconds >= 0, got {grace_s!r}"
-            raise ValueError(msg)
-        run = paths.run_dir(self._root, self.run_id)
-        try:
-            listing = self._io(f"list {run}", lambda: self.fs.find(run, withdirs=True, detail=True))
-        except FileNotFoundError:
-            listing = {}
-        if not listing:
-            return {"orphan_data_files": 0, "temp_files": 0}
-        now = self._store_now(run)  # after the listing: ages err towards the old side by the listing's duration only
-        unknown: list[str] = []
 
-        def old_enough(paths_: Sequence[str]) -> bool:
-            times = [t for t in (_mtime(listing[p]) for p in paths_) if t is not None]
-            if not times:
-                unknown.append(paths_[0])
-                return False
-            return now - max(times) >= grace_s
-
-        names = sorted(listing)
-        temps = [p for p in names if any(m in p.rsplit("/", 1)[-1] for m in _LEFTOVER_MARKS)]
-        temps = [p for p in temps if not any(p.startswith(t + "/") for t in temps)]  # a temp folder goes whole
-        temps = [t for t in temps if old_enough([t, *(p for p in names if p.startswith(t + "/"))])]
-        orphans: list[str] = []
-        parts = {p.rsplit("/", 1)[0] for p in names if p.endswith("/_schema.json")}
-        for part in sorted(parts):  # commit records read after the listing: a file listed and unnamed here stays
-            try:  # unnamed only if its write had not committed when it was listed
-                snap = self._snapshot(part, part.rsplit("/", 1)[-1], strict=False)
-            except DataPlaneError:  # cleared since the listing: nothing of it to keep
-                continue
-            named = {paths.join(part, c["file"]) for c in snap.commits}
-            candidates = [
-                p for p in names if p.startswith(part + "/data/") and p.endswith(".parquet") and p not in named
-            ]
-            orphans += [p for p in candidates if old_enough([p])]
-        if unknown:
-            warnings.warn(
-                f"data plane: collect_garbage kept {len(unknown)} objects whose store reports no modification time "
-                f"(e.g. {unknown[0]}): their age is unknown; remove them by hand once no task of run {self.run_id!r} writes",
-                DataPlaneWarning,
-                stacklevel=2,
-            )
-        for path in [*orphans, *temps]:
-            self._io(f"delete {path}", lambda path=path: _rm_quiet(self.fs, path))
-        return {"orphan_data_files": len(orphans), "temp_files": len(temps)}
-
-    def _store_now(self, run: str) -> float:
-        """The store's current time (s since the epoch): the modification time of a probe object written under
-        ``run`` (and removed); this process's clock where the store reports none."""
-        probe = paths.join(run, f".gc-clock.tmp-{uuid.uuid4().hex}")  # a leftover (killed here) is a temp like any
-        try:
-            self._io(f"write {probe}", lambda: self.fs.pipe_file(probe, b""))
+        def commits_of(part: str) -> list[dict[str, Any]] | None:
             try:
-                stamp = _mtime(self._io(f"check {probe}", lambda: self.fs.info(probe)))
-            except FileNotFoundError:  # removed by a collection beside this one (grace 0)
-                stamp = None
-        finally:
-            self._io(f"delete {probe}", lambda: _rm_quiet(self.fs, probe))
-        return time.time() if stamp is None else stamp
+                return self._snapshot(part, part.rsplit("/", 1)[-1], strict=False).commits
+            except DataPlaneError:  # cleared since the listing
+                return None
+
+        run = paths.run_dir(self._root, self.run_id)
+        return gc.collect_garbage(self.fs, run, grace_s=grace_s, io=self._io, commits_of=commits_of, run_id=self.run_id)
 
     # ---------------------------------------------------------------- writes
     def put(
@@ -422,8 +317,9 @@ class DataPlane:
                 if given != lengths:
                     bad = [i for i, (a, b) in enumerate(zip(given, lengths)) if a != b]
                     msg = (
-                        f"partition {meta.partition_id!r}, field {INPUT_LENGTHS!r}: rows {bad[:5]} differ from the lengths "
-                        "the put stored; the rows' per-token fields are aligned with those: put the rows again instead"
+                        f"partition {meta.partition_id!r}, field {INPUT_LENGTHS!r}: rows {bad[:5]} differ from the "
+                        "lengths the put stored; the rows' per-token fields are aligned with those: put the rows "
+                        "again instead"
                     )
                     raise ValueError(msg)
         n = meta.size()
@@ -434,8 +330,8 @@ class DataPlane:
             arrow_fields.append(f)
             arrays.append(arr)
         table = pa.Table.from_arrays(arrays, schema=pa.schema(arrow_fields))
-        write_id = _write_id(list(columns), meta.sample_ids)
-        file_name = f"{write_id}-{uuid.uuid4().hex[:8]}"
+        write_id = commits.write_id(list(columns), meta.sample_ids)
+        file_name = commits.new_file_name(write_id)
         data = paths.data_path(part, file_name)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, **_parquet_options(table.schema))
@@ -448,31 +344,29 @@ class DataPlane:
 
         started = time.monotonic()  # before the upload: a store dates an object no earlier than its upload's start
         self._io(f"write {data}", upload)
-        crc32 = _checksum(memoryview(blob))
-        record = {
-            "write_id": write_id,
-            "file": f"data/{file_name}.parquet",
-            "size": blob.size,
-            "crc32": crc32,
-            "fields": {name: snap.fields[name] for name in columns},
-            "arrow_types": {f.name: str(f.type) for f in arrow_fields[1:]},
-            "num_rows": n,
-            "task_name": task_name,
-            "created_unix_ns": time.time_ns(),
-        }
-        if is_put:
-            record["sample_ids"] = list(meta.sample_ids)
-            if INPUT_LENGTHS in columns:  # what later writes of per-token fields are checked against
-                record["input_lengths"] = [int(x) for x in lengths]  # type: ignore[union-attr]
+        crc32 = checksum(memoryview(blob))
+        record = commits.new_record(
+            write_id=write_id,
+            file_name=file_name,
+            size=blob.size,
+            crc32=crc32,
+            fields={name: snap.fields[name] for name in columns},
+            arrow_types={f.name: str(f.type) for f in arrow_fields[1:]},
+            num_rows=n,
+            task_name=task_name,
+            sample_ids=meta.sample_ids if is_put else None,
+            # a put's lengths: what later writes of per-token fields are checked against
+            input_lengths=lengths if is_put and INPUT_LENGTHS in columns else None,
+        )
         elapsed = time.monotonic() - started
         if elapsed > COMMIT_DEADLINE_S:  # a collection may count the file as old enough to remove by now
             msg = (
-                f"data plane write {write_id} of {sorted(columns)} to partition {meta.partition_id!r}: {elapsed:.0f} s "
-                f"since its upload started, over COMMIT_DEADLINE_S = {COMMIT_DEADLINE_S:.0f} s (was the process paused?); "
-                "not committed, since a garbage collection may have removed its data file: retry the write"
+                f"data plane write {write_id} of {sorted(columns)} to partition {meta.partition_id!r}: {elapsed:.0f} "
+                f"s since its upload started, over COMMIT_DEADLINE_S = {COMMIT_DEADLINE_S:.0f} s (was the process "
+                "paused?); not committed, since a garbage collection may have removed its data file: retry the write"
             )
             raise TimeoutError(msg)
-        self._put_atomic(paths.commit_path(part, write_id), json.dumps(record).encode())
+        self._put_atomic(paths.commit_path(part, write_id), commits.encode(record))
         self._check_landed(data, upload, write_id, sorted(columns))
         written = list(dict.fromkeys([*(meta.fields or []), *columns]))
         return KVBatchMeta(
@@ -505,7 +399,7 @@ class DataPlane:
             )
             raise IntegrityError(msg)
 
-    def _check_put(self, snap: _Snapshot, meta: KVBatchMeta) -> None:
+    def _check_put(self, snap: Snapshot, meta: KVBatchMeta) -> None:
         """ValueError unless every id of ``meta`` was minted by a put of this partition; and what
         :meth:`_check_meta` raises."""
         known = snap.put_ids()
@@ -519,7 +413,7 @@ class DataPlane:
             raise ValueError(msg)
         self._check_meta(snap, meta)
 
-    def _check_meta(self, snap: _Snapshot, meta: KVBatchMeta) -> None:
+    def _check_meta(self, snap: Snapshot, meta: KVBatchMeta) -> None:
         """Check ``meta`` against what the partition's puts stored for its rows (rows no put names are left to the
         caller's own checks).
 
@@ -536,10 +430,11 @@ class DataPlane:
             if stale:
                 newer = sorted({keys[s] for s in stale})
                 msg = (
-                    f"stale meta: partition {meta.partition_id!r} of run {self.run_id!r}: rows {stale[:3]} ({len(stale)} of "
-                    f"{meta.size()}) were put again with other content (put {newer[:2]}) after the put this meta came from "
-                    f"({meta.puts[:2]}), e.g. after a clear and a re-put with the same id_key; reading or writing under it "
-                    "would mix two batches: use the meta that the latest put returned, or re-run the task that made this one"
+                    f"stale meta: partition {meta.partition_id!r} of run {self.run_id!r}: rows {stale[:3]} "
+                    f"({len(stale)} of {meta.size()}) were put again with other content (put {newer[:2]}) after the "
+                    f"put this meta came from ({meta.puts[:2]}), e.g. after a clear and a re-put with the same "
+                    "id_key; reading or writing under it would mix two batches: use the meta that the latest put "
+                    "returned, or re-run the task that made this one"
                 )
                 raise StaleMetaError(msg)
         if meta.sequence_lengths is not None:
@@ -551,13 +446,14 @@ class DataPlane:
             if bad:
                 i = bad[0]
                 msg = (
-                    f"partition {meta.partition_id!r}: the meta's sequence_lengths differ from the input_lengths its put "
-                    f"stored at rows {bad[:5]} ({len(bad)} of {meta.size()}; row {i}: meta {meta.sequence_lengths[i]}, "
-                    f"stored {lengths[meta.sample_ids[i]]}): the meta was altered; use the meta the put returned"
+                    f"partition {meta.partition_id!r}: the meta's sequence_lengths differ from the input_lengths its "
+                    f"put stored at rows {bad[:5]} ({len(bad)} of {meta.size()}; row {i}: meta "
+                    f"{meta.sequence_lengths[i]}, stored {lengths[meta.sample_ids[i]]}): the meta was altered; use "
+                    "the meta the put returned"
                 )
                 raise ValueError(msg)
 
-    def _stored_lengths(self, snap: _Snapshot, meta: KVBatchMeta, *, writes_tokens: bool) -> list[int] | None:
+    def _stored_lengths(self, snap: Snapshot, meta: KVBatchMeta, *, writes_tokens: bool) -> list[int] | None:
         """The token lengths of ``meta``'s rows that per-token fields must have: the ``input_lengths`` their puts
         stored (in the put records; read from the data files for records that predate that), else, when the
         partition has none, ``meta.sequence_lengths``. None when neither exists and ``writes_tokens`` is false.
@@ -572,53 +468,19 @@ class DataPlane:
             return [int(x) for x in self._read_snapshot(snap, meta, [INPUT_LENGTHS])[INPUT_LENGTHS]]
         return meta.sequence_lengths
 
-    def discard(self, partition_id: str, sample_ids: Sequence[str]) -> None:
-        """Drop samples mid-step (dynamic sampling): later reads naming them raise DataPlaneError."""
-        if not sample_ids:
-            return
-        part = self._part(partition_id)
-        self.schema(partition_id)
-        doc = json.dumps({"sample_ids": list(sample_ids)}).encode()
-        self._put_atomic(paths.join(paths.discards_dir(part), f"{uuid.uuid4().hex}.json"), doc)
-
     # ---------------------------------------------------------------- reads
-    def _snapshot(self, part: str, partition_id: str, *, strict: bool = True) -> _Snapshot:
-        """What a read of partition folder ``part`` needs: one listing of the partition, then the schema,
-        commit and discard records in one batch of reads. A malformed or stray commit record is skipped with a
-        :class:`DataPlaneWarning` naming it (``strict=False``: silently).
+    def _snapshot(self, part: str, partition_id: str, *, strict: bool = True) -> Snapshot:
+        """What a read of partition folder ``part`` needs (``dataplane.commits.load_snapshot``): its schema and
+        well-formed commit records; a malformed or stray commit record is skipped with a :class:`DataPlaneWarning`
+        naming it (``strict=False``: silently).
 
         Raises:
             DataPlaneError: the partition was never registered or was cleared.
-            IntegrityError: the schema or a discard record is malformed (named).
+            IntegrityError: the schema is malformed (named).
         """
-        try:
-            listing = self._io(f"list {part}", lambda: self.fs.find(part))  # one LIST on an object store
-        except FileNotFoundError:
-            listing = []
-        folder = {p: p[len(part) :].strip("/").split("/")[0] for p in listing}  # "_commits", "data", ...
-        schema = paths.schema_path(part)
-        if self.fs._strip_protocol(schema) not in folder:
+        snap = commits.load_snapshot(self.fs, part, io=self._io, strict=strict)
+        if snap is None:
             raise DataPlaneError(self._missing(partition_id))
-        records = [p for p, f in folder.items() if f in ("_commits", "_discards") and p.endswith(".json")]
-        try:  # start=0: one GET each (s3fs sizes a whole-object read with a HEAD first)
-            blobs = self._io(f"read the records of {part}", lambda: self.fs.cat([schema, *records], start=0))
-        except FileNotFoundError:  # cleared between the listing and the reads
-            raise DataPlaneError(self._missing(partition_id)) from None
-        snap = _Snapshot(part=part, fields=_schema_fields(schema, blobs.pop(schema)))
-        for path, blob in sorted(blobs.items()):
-            if folder.get(path) == "_discards":
-                snap.discarded.update(_discard_ids(path, blob))
-                continue
-            record, problem = _commit_record(blob)
-            if problem:
-                snap.skipped.append(path)
-                if strict:
-                    warnings.warn(
-                        f"data plane: skipped commit record {path}: {problem}", DataPlaneWarning, stacklevel=3
-                    )
-                continue
-            snap.commits.append(record)
-        snap.commits.sort(key=lambda r: (r["created_unix_ns"], r["write_id"]))
         return snap
 
     def _commits(self, part: str) -> list[dict[str, Any]]:
@@ -654,8 +516,8 @@ class DataPlane:
 
         Raises:
             ValueError: ``select_fields`` empty.
-            DataPlaneError: the partition does not exist, a field was never written, or an id is unknown
-                or was discarded; the message names the partition, the field and the ids.
+            DataPlaneError: the partition does not exist, a field was never written, or an id is unknown; the
+                message names the partition, the field and the ids.
             StaleMetaError: (a ``DataPlaneError``) rows of ``meta`` were put again, with other content, after the put
                 that ``meta.puts`` names (a clear and a re-put with the same ``id_key``).
             ValueError: also when ``meta.sequence_lengths`` differ from the ``input_lengths`` the rows' put stored.
@@ -697,7 +559,7 @@ class DataPlane:
             raise TypeError(msg)
         return TensorDict(columns, batch_size=[meta.size()])
 
-    def _read_snapshot(self, snap: _Snapshot, meta: KVBatchMeta, select_fields: Sequence[str]) -> dict[str, Any]:
+    def _read_snapshot(self, snap: Snapshot, meta: KVBatchMeta, select_fields: Sequence[str]) -> dict[str, Any]:
         """``select_fields`` of ``meta``'s rows from the files that ``snap``'s commits name (unpadded columns)."""
         schema = snap.fields
         unknown = [f for f in select_fields if f not in schema]
@@ -706,17 +568,16 @@ class DataPlane:
                 f"fields {unknown} are not registered in partition {meta.partition_id!r}; registered: {sorted(schema)}"
             )
             raise DataPlaneError(msg)
-        discarded = snap.discarded & set(meta.sample_ids)
-        if discarded:
-            msg = f"partition {meta.partition_id!r}: samples {sorted(discarded)[:5]} were discarded ({len(discarded)} in all)"
-            raise DataPlaneError(msg)
         commits = list(reversed(snap.commits))  # newest first: a later write of a field wins
         sources = {}
         for name in select_fields:
             sources[name] = [c for c in commits if name in c["fields"]]
             if not sources[name]:
                 skipped = f"; skipped malformed commit records: {snap.skipped[:3]}" if snap.skipped else ""
-                msg = f"field {name!r} was never written in partition {meta.partition_id!r} (ids {meta.sample_ids[:3]}...){skipped}"
+                msg = (
+                    f"field {name!r} was never written in partition {meta.partition_id!r} (ids "
+                    f"{meta.sample_ids[:3]}...){skipped}"
+                )
                 raise DataPlaneError(msg)
         needed = list({c["file"]: c for cs in sources.values() for c in cs}.values())
         tables = self._read_files(snap.part, needed, select_fields)
@@ -728,7 +589,10 @@ class DataPlane:
                 merged = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
             except pa.ArrowInvalid as err:
                 files = [paths.join(snap.part, c["file"]) for c in sources[name]]
-                msg = f"partition {meta.partition_id!r}, field {name!r}: its writes have different types ({err}); files {files}"
+                msg = (
+                    f"partition {meta.partition_id!r}, field {name!r}: its writes have different types ({err}); files "
+                    f"{files}"
+                )
                 raise IntegrityError(msg) from None
             ids = merged.column(SAMPLE_ID)
             if len(ids) == len(wanted) and ids.combine_chunks().equals(wanted):
@@ -739,7 +603,10 @@ class DataPlane:
                     missing = [s for s, i in zip(meta.sample_ids, idx.to_pylist()) if i is None]
                     hint = ""
                     if len(missing) == meta.size() and not set(meta.sample_ids) & snap.put_ids():
-                        hint = f"; none of the meta's ids were put in this partition of run {self.run_id!r}: is the meta of another run?"
+                        hint = (
+                            f"; none of the meta's ids were put in this partition of run {self.run_id!r}: is the meta "
+                            "of another run?"
+                        )
                     msg = (
                         f"partition {meta.partition_id!r}, field {name!r}: no value for sample ids {missing[:5]} "
                         f"({len(missing)} of {meta.size()} missing){hint}"
@@ -778,14 +645,18 @@ class DataPlane:
         for c, location in zip(commits, locations):
             blob = blobs.get(self.fs._strip_protocol(location), blobs.get(location))
             if blob is None or isinstance(blob, FileNotFoundError):
-                msg = f"commit record {c['write_id']} of {part} names data file {location}, which is missing; the write is lost: re-run the task that wrote {sorted(c['fields'])}"
+                msg = (
+                    f"commit record {c['write_id']} of {part} names data file {location}, which is missing; the write "
+                    f"is lost: re-run the task that wrote {sorted(c['fields'])}"
+                )
                 raise IntegrityError(msg)
             if isinstance(blob, BaseException):
                 raise blob
-            if len(blob) != c["size"] or _checksum(blob) != c["crc32"]:
+            if len(blob) != c["size"] or checksum(blob) != c["crc32"]:
                 msg = (
-                    f"data file {location} fails its checksum (size {len(blob)}, crc32 {_checksum(blob)}; its commit record "
-                    f"says {c['size']}, {c['crc32']}): it was changed or replaced after its write; re-run the task that wrote {sorted(c['fields'])}"
+                    f"data file {location} fails its checksum (size {len(blob)}, crc32 {checksum(blob)}; its commit "
+                    f"record says {c['size']}, {c['crc32']}): it was changed or replaced after its write; re-run the "
+                    f"task that wrote {sorted(c['fields'])}"
                 )
                 raise IntegrityError(msg)
             cols = [SAMPLE_ID, *[f for f in select_fields if f in c["fields"]]]
@@ -810,139 +681,6 @@ def _map_file(path: str) -> pa.Buffer | FileNotFoundError:
             return source.read_buffer()
     except FileNotFoundError as err:
         return err
-
-
-def _mtime(info: Mapping[str, Any]) -> float | None:
-    """Modification time (s since the epoch) in an fsspec ``info`` dict: ``mtime`` (local), ``LastModified`` (s3fs),
-    ``last_modified`` (adlfs), ``updated`` (gcsfs), ...; None when it has none (an S3 "folder")."""
-    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
-        value = info.get(key)
-        if value is None:
-            continue
-        if isinstance(value, datetime.datetime):
-            return value.timestamp()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return None
-
-
-def _rm_quiet(fs: Any, path: str) -> None:
-    try:
-        fs.rm(path, recursive=True)
-    except FileNotFoundError:
-        pass
-
-
-def _schema_fields(path: str, blob: bytes) -> dict[str, str]:
-    try:
-        fields = json.loads(blob)["fields"]
-        if not isinstance(fields, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in fields.items()
-        ):
-            raise TypeError("fields is not a mapping of names to dtype names")
-    except (ValueError, KeyError, TypeError) as err:
-        msg = f"partition schema {path} is malformed ({type(err).__name__}: {err}); register the partition again"
-        raise IntegrityError(msg) from None
-    return fields
-
-
-def _discard_ids(path: str, blob: bytes) -> list[str]:
-    try:
-        ids = json.loads(blob)["sample_ids"]
-        if not isinstance(ids, list) or not all(isinstance(s, str) for s in ids):
-            raise TypeError("sample_ids is not a list of strings")
-    except (ValueError, KeyError, TypeError) as err:  # skipping it would silently bring discarded rows back
-        msg = f"discard record {path} is malformed ({type(err).__name__}: {err}); delete it and discard those samples again"
-        raise IntegrityError(msg) from None
-    return ids
-
-
-_RECORD_KEYS = {
-    "write_id": str,
-    "file": str,
-    "size": int,
-    "crc32": str,
-    "fields": dict,
-    "num_rows": int,
-    "created_unix_ns": int,
-}
-
-
-def _commit_record(blob: bytes) -> tuple[dict[str, Any], str]:
-    """``(record, "")`` for a well-formed commit record, else ``({}, what is wrong)``."""
-    try:
-        record = json.loads(blob)
-    except ValueError as err:
-        return {}, f"not JSON ({err})"
-    if not isinstance(record, dict):
-        return {}, "not a JSON object"
-    bad = [k for k, t in _RECORD_KEYS.items() if not isinstance(record.get(k), t)]
-    if bad:
-        return {}, f"missing or mistyped keys {bad}"
-    if not _DATA_FILE.fullmatch(record["file"]):
-        return {}, f"names {record['file']!r}, not a data file of its partition"
-    if "sample_ids" in record and not isinstance(record["sample_ids"], list):
-        return {}, "sample_ids is not a list"
-    if "input_lengths" in record:
-        stored = record["input_lengths"]
-        if not (
-            isinstance(stored, list)
-            and len(stored) == len(record.get("sample_ids", ()))
-            and all(type(x) is int for x in stored)
-        ):
-            return {}, "input_lengths is not a list of ints, one per sample id"
-    return record, ""
-
-
-@dataclasses.dataclass
-class _Snapshot:
-    """One read's view of a partition (folder ``part``): registered fields, well-formed commit records (oldest
-    first), discarded sample ids, and the paths of skipped commit records."""
-
-    part: str
-    fields: dict[str, str] = dataclasses.field(default_factory=dict)
-    commits: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    discarded: set[str] = dataclasses.field(default_factory=set)
-    skipped: list[str] = dataclasses.field(default_factory=list)
-
-    _rows: tuple[dict[str, str], dict[str, int]] | None = dataclasses.field(default=None, repr=False)
-
-    def put_ids(self) -> set[str]:
-        """Sample ids minted by the partition's puts."""
-        return set(self.put_rows()[0])
-
-    def put_rows(self) -> tuple[dict[str, str], dict[str, int]]:
-        """``(put, lengths)``: for each sample id of the partition's puts, the newest put that wrote it (as
-        ``"{write_id}:{crc32}"``, see ``KVBatchMeta.puts``) and the ``input_lengths`` that put stored for it (ids of
-        puts that stored none are absent from ``lengths``). Computed once per snapshot."""
-        if self._rows is None:
-            keys: dict[str, str] = {}
-            lengths: dict[str, int] = {}
-            for c in self.commits:  # oldest first: a later put of an id wins
-                ids = c.get("sample_ids")
-                if ids is None:
-                    continue
-                keys.update(dict.fromkeys(ids, f"{c['write_id']}:{c['crc32']}"))
-                stored = c.get("input_lengths")
-                if stored is not None:
-                    lengths.update(zip(ids, stored))
-                else:
-                    for s in ids:
-                        lengths.pop(s, None)
-            self._rows = (keys, lengths)
-        return self._rows
-
-    def arrow_type(self, name: str) -> tuple[str, str] | None:
-        """``(arrow type, write id)`` of the newest earlier write of ``name``, if any."""
-        for c in reversed(self.commits):
-            if name in c.get("arrow_types", {}):
-                return c["arrow_types"][name], c["write_id"]
-        return None
 
 
 def _parquet_options(schema: pa.Schema) -> dict[str, Any]:
@@ -970,7 +708,7 @@ def _num_rows(columns: Mapping[str, Any]) -> int:
 
 
 def _checked_column(
-    meta: KVBatchMeta, snap: _Snapshot, name: str, value: Any, n: int, lengths: Sequence[int] | None
+    meta: KVBatchMeta, snap: Snapshot, name: str, value: Any, n: int, lengths: Sequence[int] | None
 ) -> tuple[pa.Field, pa.Array]:
     """``value`` as an Arrow column of field ``name``; ValueError, before any write, if it does not fit the partition:
     unregistered, another row count or dtype, a per-token field not jagged or not of the rows' ``lengths``, or an
@@ -985,7 +723,10 @@ def _checked_column(
         msg = f"{where}: {rows} rows for {n} sample ids; write one row per id"
         raise ValueError(msg)
     if isinstance(value, torch.Tensor) and value.is_nested and value.values().dim() != 1:
-        msg = f"{where}: a jagged tensor of shape [N, j, ...] ({value.values().dim() - 1} trailing dims); store one value per token"
+        msg = (
+            f"{where}: a jagged tensor of shape [N, j, ...] ({value.values().dim() - 1} trailing dims); store one "
+            "value per token"
+        )
         raise ValueError(msg)
     if name in TOKEN_FIELDS and not (isinstance(value, torch.Tensor) and value.is_nested):
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -1000,7 +741,10 @@ def _checked_column(
         got_lengths = nested_lengths(value).tolist()
         if got_lengths != list(lengths):
             bad = [i for i, (a, b) in enumerate(zip(got_lengths, lengths)) if a != b]
-            msg = f"{where}: row lengths differ from input_lengths at rows {bad[:5]}; per-token fields align with input_ids"
+            msg = (
+                f"{where}: row lengths differ from input_lengths at rows {bad[:5]}; per-token fields align with "
+                "input_ids"
+            )
             raise ValueError(msg)
     earlier = snap.arrow_type(name)
     if earlier is not None and earlier[0] != str(f.type):

@@ -89,6 +89,13 @@ def to_nested_by_length(padded: torch.Tensor, lengths: torch.Tensor | Sequence[i
 
     Raises:
         ValueError: a length outside ``0..S`` or a row count mismatch.
+
+    Example:
+        >>> nt = to_nested_by_length(torch.tensor([[1, 2, 3, 0], [4, 0, 0, 0]]), [3, 1])
+        >>> [row.tolist() for row in nt.unbind()]
+        [[1, 2, 3], [4]]
+        >>> nt.offsets().tolist()
+        [0, 3, 4]
     """
     lengths = torch.as_tensor(lengths, dtype=torch.int64)
     if padded.dim() < 2 or padded.shape[0] != lengths.shape[0]:
@@ -103,7 +110,19 @@ def to_nested_by_length(padded: torch.Tensor, lengths: torch.Tensor | Sequence[i
 
 
 def nested_from_values(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Jagged nested tensor from flat ``values`` [T] and per-row ``lengths`` [N] (T = sum(lengths))."""
+    """Jagged nested tensor [N, j] from flat ``values`` [T] and per-row ``lengths`` [N] int64 (T = sum(lengths)),
+    zero-copy over ``values``; row ``i`` is ``values[offsets[i]:offsets[i + 1]]`` with ``offsets`` the running sum.
+
+    Raises:
+        ValueError: ``lengths`` do not sum to T.
+
+    Example:
+        >>> nt = nested_from_values(torch.tensor([0.5, 0.25, 1.0, 2.0]), torch.tensor([3, 0, 1]))
+        >>> [row.tolist() for row in nt.unbind()]
+        [[0.5, 0.25, 1.0], [], [2.0]]
+        >>> nested_lengths(nt).tolist()
+        [3, 0, 1]
+    """
     offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     if int(offsets[-1]) != values.shape[0]:
@@ -172,7 +191,10 @@ def column_to_arrow(name: str, value: Any) -> tuple[pa.Field, pa.Array]:
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value):
         arr = pa.array(list(value))
         return pa.field(name, arr.type, nullable=False, metadata={DTYPE_KEY: b"struct"}), arr
-    msg = f"column {name!r} has type {type(value).__name__}; use a torch tensor (1-D or jagged nested), list[str] or list[dict]"
+    msg = (
+        f"column {name!r} has type {type(value).__name__}; use a torch tensor (1-D or jagged nested), list[str] or "
+        "list[dict]"
+    )
     raise TypeError(msg)
 
 
@@ -199,6 +221,13 @@ def pad_nested(nt: torch.Tensor, pad_value: float | int, pad_to_seqlen: int = 0)
 
     Raises:
         ValueError: ``pad_to_seqlen`` shorter than the longest row would silently truncate: refused.
+
+    Example:
+        >>> nt = nested_from_values(torch.tensor([1, 2, 3, 4]), torch.tensor([3, 1]))
+        >>> pad_nested(nt, -1).tolist()
+        [[1, 2, 3], [4, -1, -1]]
+        >>> pad_nested(nt, 0, pad_to_seqlen=5).tolist()
+        [[1, 2, 3, 0, 0], [4, 0, 0, 0, 0]]
     """
     lengths = nested_lengths(nt)
     longest = int(lengths.max()) if lengths.numel() else 0
@@ -229,6 +258,20 @@ def materialize(
 
     Returns:
         name -> [N, S] dense tensors for nested columns (padded layout), others unchanged.
+
+    Raises:
+        ValueError: an unknown ``layout``, or ``pad_to_seqlen`` shorter than a column's longest row.
+
+    Example:
+        >>> columns = {
+        ...     "input_ids": nested_from_values(torch.tensor([5, 6, 7]), torch.tensor([2, 1])),
+        ...     "rewards": torch.tensor([1.0, 0.0]),
+        ... }
+        >>> out = materialize(columns, pad_value_dict={"input_ids": 0}, pad_to_seqlen=4)
+        >>> out["input_ids"].tolist(), out["rewards"].tolist()
+        ([[5, 6, 0, 0], [7, 0, 0, 0]], [1.0, 0.0])
+        >>> materialize(columns, layout="jagged")["input_ids"].is_nested
+        True
     """
     if layout not in ("padded", "jagged"):
         msg = f"layout must be 'padded' or 'jagged', got {layout!r}"
@@ -241,47 +284,3 @@ def materialize(
         else:
             out[name] = value
     return out
-
-
-def response_from_nested(full: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Response slice of a (prompt+response) per-token field, shifted left by one.
-
-    Row of length L with response length r -> ``full_row[L-r-1 : L-1]``: output position i holds the
-    prediction made at input position i, i.e. of token i+1 (NeMo-RL `codec.response_from_nested`).
-
-    Args:
-        full: jagged [N, L_i].
-        response_mask: jagged [N, r_i]; only its row lengths are used.
-
-    Returns:
-        jagged [N, r_i] of ``full``'s dtype.
-
-    Raises:
-        ValueError: a response longer than ``L_i - 1``.
-    """
-    full_len = nested_lengths(full)
-    resp_len = nested_lengths(response_mask)
-    if bool((resp_len > full_len - 1).any()):
-        msg = "a response is longer than its sequence minus one; check that response_mask belongs to full"
-        raise ValueError(msg)
-    offsets = full.offsets()
-    starts = offsets[:-1] + full_len - resp_len - 1  # [N]
-    idx = torch.repeat_interleave(starts, resp_len) + (
-        torch.arange(int(resp_len.sum())) - torch.repeat_interleave(torch.cumsum(resp_len, 0) - resp_len, resp_len)
-    )
-    return nested_from_values(full.values()[idx], resp_len)
-
-
-def pack_per_token_field(value: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """Per-token write-back: dense [N, S>=max(lengths)] -> jagged, cutting any extra width; nested passes.
-
-    Raises:
-        ValueError: a dense value narrower than ``max(lengths)`` (that would lose tokens).
-    """
-    if value.is_nested:
-        return value
-    lengths = torch.as_tensor(lengths, dtype=torch.int64)
-    if value.dim() < 2 or (lengths.numel() and value.shape[1] < int(lengths.max())):
-        msg = f"per-token value of shape {tuple(value.shape)} cannot hold rows of length up to {int(lengths.max())}"
-        raise ValueError(msg)
-    return to_nested_by_length(value, lengths)

@@ -41,6 +41,11 @@ class IntegrityError(Exception):
     malformed record. Permanent: the message names the object; a retry would read the same bytes."""
 
 
+class DataPlaneWarning(UserWarning):
+    """Something under a partition was skipped on read (a malformed or stray commit record), or kept by a garbage
+    collection for want of a modification time; the message names it."""
+
+
 _TRANSIENT_ERRNOS = frozenset(
     {
         errno.ECONNREFUSED,

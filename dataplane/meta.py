@@ -51,7 +51,10 @@ class KVBatchMeta:
             msg = f"puts must be a list of strings (the put records' '{{write_id}}:{{crc32}}'), got {self.puts!r}"
             raise ValueError(msg)
         if self.sequence_lengths is not None and len(self.sequence_lengths) != n:
-            msg = f"sequence_lengths has {len(self.sequence_lengths)} entries for {n} sample_ids; give one length per sample"
+            msg = (
+                f"sequence_lengths has {len(self.sequence_lengths)} entries for {n} sample_ids; give one length per "
+                "sample"
+            )
             raise ValueError(msg)
         if self.tags is not None and len(self.tags) != n:
             msg = f"tags has {len(self.tags)} entries for {n} sample_ids; give one tag dict per sample"
@@ -84,11 +87,6 @@ class KVBatchMeta:
     def slice(self, start: int, stop: int) -> KVBatchMeta:
         """Rows ``start:stop``."""
         return self.subset(range(*slice(start, stop).indices(self.size())))
-
-    def drop(self, indices: Sequence[int]) -> KVBatchMeta:
-        """All rows except those at ``indices``."""
-        gone = {int(i) % max(self.size(), 1) for i in indices}
-        return self.subset([i for i in range(self.size()) if i not in gone])
 
     def concat(self, *others: KVBatchMeta) -> KVBatchMeta:
         """Rows of ``self`` then of each of ``others``; all must name the same partition. ``puts`` is the union of
@@ -133,15 +131,14 @@ class KVBatchMeta:
         extra = dict(self.extra_info)
         for other in others:
             if other.partition_id != self.partition_id or other.sample_ids != self.sample_ids:
-                msg = f"join needs metas of the same rows; {other.partition_id!r} differs from {self.partition_id!r} or in its sample_ids"
+                msg = (
+                    f"join needs metas of the same rows; {other.partition_id!r} differs from {self.partition_id!r} or "
+                    "in its sample_ids"
+                )
                 raise ValueError(msg)
             merged_fields += [f for f in other.fields or [] if f not in merged_fields]
             extra.update(other.extra_info)
         return replace(self, fields=merged_fields, extra_info=extra)
-
-    def with_fields(self, names: Sequence[str]) -> KVBatchMeta:
-        """The same rows with ``fields`` set to ``names``."""
-        return replace(self, fields=list(names), extra_info=dict(self.extra_info))
 
     def with_extra_info(self, **info: Any) -> KVBatchMeta:
         """The same rows with ``info`` merged into ``extra_info``."""

@@ -66,10 +66,6 @@ def commit_path(part_dir: str, write_id: str) -> str:
     return join(commits_dir(part_dir), f"{check_name('write_id', write_id)}.json")
 
 
-def discards_dir(part_dir: str) -> str:
-    return join(part_dir, "_discards")
-
-
 def checkpoints_dir(root: str, run_id: str) -> str:
     return join(run_dir(root, run_id), "checkpoints")
 

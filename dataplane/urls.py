@@ -22,8 +22,8 @@ _COMMON = ("s3", "gs", "gcs", "az", "abfs", "file", "memory", "http", "https", "
 # Option names that hold credentials: matched as a substring of the lowercased name ...
 _SECRET_PARTS = ("secret", "passw", "pwd", "token", "credential", "creds", "auth", "apikey", "accesskey", "privatekey")
 # ... or as one word of it (split at '_', '-', '.', spaces and camelCase): `key` (s3fs's access key id),
-# `aws_access_key_id`, `session`, `headers` (an ``Authorization`` header), `cookie(s)`, `signature` (``X-Amz-Signature``),
-# `sas` (an Azure shared access signature, adlfs's ``sas_token``), `cred`.
+# `aws_access_key_id`, `session`, `headers` (an ``Authorization`` header), `cookie(s)`, `signature`
+# (``X-Amz-Signature``), `sas` (an Azure shared access signature, adlfs's ``sas_token``), `cred`.
 _SECRET_WORDS = frozenset(
     {"key", "session", "headers", "header", "cookie", "cookies", "signature", "sig", "sas", "cred"}
 )
@@ -113,7 +113,10 @@ def _check_protocol(proto: str, url: str, known: set[str]) -> None:
     if proto in known:
         return
     if proto.lower() in known:
-        msg = f"{url!r}: protocol {proto!r} is not known to fsspec (protocols are lowercase); write {proto.lower() + url[len(proto) :]!r}"
+        msg = (
+            f"{url!r}: protocol {proto!r} is not known to fsspec (protocols are lowercase); write "
+            f"{proto.lower() + url[len(proto) :]!r}"
+        )
         raise ValueError(msg)
     msg = f"{url!r}: protocol {proto!r} is not known to fsspec; {_known_hint(known)}"
     raise ValueError(msg)
@@ -188,11 +191,17 @@ def _check_local(path: str) -> str:
         name, known = scheme[1], _known()
         rest = path[len(name) + 1 :].lstrip("/\\")
         fix = f"write {name.lower() + '://' + (rest or 'bucket')!r}" if name.lower() in known else _known_hint(known)
-        msg = f"{path!r} looks like a URL with a malformed scheme {name + ':'!r} (a URL needs '://'), and fsspec would read it as a local folder {first!r}; {fix}"
+        msg = (
+            f"{path!r} looks like a URL with a malformed scheme {name + ':'!r} (a URL needs '://'), and fsspec would "
+            f"read it as a local folder {first!r}; {fix}"
+        )
         raise ValueError(msg)
     slashes = re.match(rf"({_SCHEME})//", path)
     if slashes and slashes[1].lower() in _known() - _LOCAL:  # `s3//bucket`, `S3//bucket`
         name = slashes[1]
-        msg = f"{path!r} looks like a URL missing the ':' after {name!r}, and fsspec would read it as a local folder; write {name.lower() + ':' + path[len(name) :]!r}"
+        msg = (
+            f"{path!r} looks like a URL missing the ':' after {name!r}, and fsspec would read it as a local folder; "
+            f"write {name.lower() + ':' + path[len(name) :]!r}"
+        )
         raise ValueError(msg)
     return path

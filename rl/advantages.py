@@ -55,7 +55,10 @@ def baseline_and_std(
         ValueError: N not a multiple of ``group_size`` or shape mismatch.
     """
     if rewards.dim() != 1 or rewards.shape != sample_mask.shape or rewards.numel() % group_size:
-        msg = f"rewards {tuple(rewards.shape)} and sample_mask {tuple(sample_mask.shape)} must be [B*G] with G={group_size}"
+        msg = (
+            f"rewards {tuple(rewards.shape)} and sample_mask {tuple(sample_mask.shape)} must be [B*G] with "
+            f"G={group_size}"
+        )
         raise ValueError(msg)
     r = rewards.view(-1, group_size)  # [B, G]
     v = sample_mask.to(rewards.dtype).view(-1, group_size)  # [B, G]
@@ -154,7 +157,8 @@ def reinforce_plus_plus_advantages(
 
     Example:
         >>> r = torch.tensor([1.0, 0.0, 1.0, 1.0])  # two groups of G = 2: a = [0.5, -0.5, 0, 0]
-        >>> reinforce_plus_plus_advantages(r, torch.ones(4, dtype=torch.bool), torch.tensor([2, 2, 2, 2]), group_size=2)[0]
+        >>> lengths = torch.tensor([2, 2, 2, 2])  # response tokens: equal weights
+        >>> reinforce_plus_plus_advantages(r, torch.ones(4, dtype=torch.bool), lengths, group_size=2)[0]
         tensor([ 1.4142, -1.4142,  0.0000,  0.0000])
 
     Args:
@@ -202,7 +206,8 @@ def overlong_penalty(
     ``L_cache = overlong_buffer_length``. Source: DAPO (arXiv 2503.14476) eq. 13; NeMo-RL ``apply_reward_shaping``.
 
     Example:
-        >>> overlong_penalty(torch.tensor([20, 24, 28, 32]), max_response_length=32, overlong_buffer_length=8, overlong_buffer_penalty=1.0)
+        >>> lengths = torch.tensor([20, 24, 28, 32])  # L_max - L_cache = 24
+        >>> overlong_penalty(lengths, max_response_length=32, overlong_buffer_length=8, overlong_buffer_penalty=1.0)
         tensor([ 0.0000,  0.0000, -0.5000, -1.0000])
 
     Args:
@@ -240,6 +245,16 @@ def advantages_for_step(
 ) -> StepAdvantages:
     """A step's advantages as a run's config asks for them: ``grpo.reward_shaping`` added to the rewards, then the
     ``grpo.adv_estimator`` (:func:`compute_advantages` or :func:`reinforce_plus_plus_advantages`).
+
+    Example:
+        >>> from rl.config import config_from_dict
+        >>> cfg = config_from_dict({"grpo": {"num_generations_per_prompt": 4}})  # GRPO, leave-one-out, std-normalized
+        >>> rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])  # one prompt's group of G = 4
+        >>> step = advantages_for_step(rewards, torch.ones(4, dtype=torch.bool), torch.tensor([5, 7, 3, 8]), cfg)
+        >>> step.baseline  # mean reward of the other three
+        tensor([0.3333, 0.3333, 0.6667, 0.6667])
+        >>> step.advantages  # (r - baseline) / (std of the other three + 1e-6)
+        tensor([ 1.1547,  1.1547, -1.1547, -1.1547])
 
     Args:
         rewards: [N] float32, the scorers' rewards, group-contiguous.

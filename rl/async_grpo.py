@@ -115,7 +115,10 @@ class ReplayBuffer:
         """
         age = trajectory_age(item.step, item.weight_version)
         if not 0 <= age <= self.max_age:
-            msg = f"step {item.step}'s batch of weight version {item.weight_version} is {age} steps old; the bound is {self.max_age}"
+            msg = (
+                f"step {item.step}'s batch of weight version {item.weight_version} is {age} steps old; the bound is "
+                f"{self.max_age}"
+            )
             raise ValueError(msg)
         with self._cond:
             self._items[item.step] = item
@@ -160,7 +163,10 @@ class ReplayBuffer:
                     raise self._error
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    msg = f"no batch for step {step} after {timeout:.0f} s; the replay buffer holds steps {sorted(self._items)}"
+                    msg = (
+                        f"no batch for step {step} after {timeout:.0f} s; the replay buffer holds steps "
+                        f"{sorted(self._items)}"
+                    )
                     raise TimeoutError(msg)
                 self._cond.wait(1.0 if left is None else min(1.0, left))
                 if poll is not None and step not in self._items and self._error is None:

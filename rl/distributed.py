@@ -36,8 +36,8 @@ def world_size() -> int:
 def process_group(timeout_s: float = 1800.0) -> Iterator[int]:
     """Join the process group a torchrun-style launcher describes (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``,
     ``MASTER_PORT`` in the environment; set by ``torch.distributed.elastic`` and flytekitplugins-kfpytorch), on NCCL
-    where every local rank has a GPU, else gloo; leave it on exit. Yields the world size. Without ``WORLD_SIZE`` > 1, or inside
-    a group already joined, it does nothing.
+    where every local rank has a GPU, else gloo; leave it on exit. Yields the world size. Without ``WORLD_SIZE`` > 1, or
+    inside a group already joined, it does nothing.
 
     Args:
         timeout_s: how long a collective waits for the other ranks before it raises (a rank that died leaves the
@@ -124,11 +124,12 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter], *, group: Any = N
     """Sum every parameter's gradient over the ranks of ``group`` (None: all), in place, in flat buckets of
     ``GRADIENT_BUCKET_BYTES``.
 
-    A parameter without a gradient on this rank (no rows here) takes part with zeros, so that the ranks' buckets
-    line up; one that no rank gave a gradient has none afterwards, as with one rank (AdamW skips it). The loss is normalized by the global token and sequence counts (see
-    ``rl.loss.clipped_pg_loss``), so the sum, not the mean, of the ranks' gradients is the gradient of the whole
-    batch: DDP's averaging would need the loss scaled by the world size (NeMo-RL's DTensor worker does so).
-    Megatron-core's ``DistributedDataParallel`` with ``overlap_grad_reduce=False`` does the same reduction: once
+    A parameter without a gradient on this rank (no rows here) takes part with zeros, so that the ranks' buckets line
+    up; one that no rank gave a gradient has none afterwards, as with one rank (AdamW skips it). The loss is normalized
+    by the global token and sequence counts (see ``rl.loss.clipped_pg_loss``), so the sum, not the mean, of the ranks'
+    gradients is the gradient of the whole batch: DDP's averaging would need the loss scaled by the world size
+    (NeMo-RL's DTensor worker does so). Megatron-core's ``DistributedDataParallel`` with ``overlap_grad_reduce=False``
+    does the same reduction: once
     per optimizer update, after the last micro-batch.
     """
     if not _spans(group):

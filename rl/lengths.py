@@ -63,5 +63,8 @@ def check_fits(prompt_lengths: Sequence[int], max_new_tokens: int, limit: int, l
     )
     if limit_name != MODEL_LIMIT:
         fix += f", or raise {limit_name} (up to the model's max_position_embeddings)"
-    msg = f"config generation.max_new_tokens: {max_new_tokens}{prompt} is more than the {limit} tokens of {limit_name}, so completions would be cut short; {fix}"
+    msg = (
+        f"config generation.max_new_tokens: {max_new_tokens}{prompt} is more than the {limit} tokens of "
+        f"{limit_name}, so completions would be cut short; {fix}"
+    )
     raise ValueError(msg)

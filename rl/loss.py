@@ -189,7 +189,9 @@ def loss_mask(token_mask: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tens
     """[M, S-1] float: response tokens (shifted to prediction positions) of valid samples.
 
     Example:
-        >>> loss_mask(torch.tensor([[False, False, True, True], [False, True, True, False]]), torch.tensor([True, False]))
+        >>> token_mask = torch.tensor([[False, False, True, True], [False, True, True, False]])  # [M=2, S=4]
+        >>> sample_mask = torch.tensor([True, False])  # the second sample does not count
+        >>> loss_mask(token_mask, sample_mask)  # [M, S-1]: position t predicts token t+1
         tensor([[0., 1., 1.],
                 [0., 0., 0.]])
     """
@@ -231,11 +233,19 @@ def clipped_pg_loss(
     - ``dr_grpo``: ``sum_{i,t} L / (global_valid_seqs * max_response_tokens)`` (a constant per sequence).
 
     Example:
-        >>> b = LossInputs(logprobs=torch.tensor([[0.0, -1.0, -1.0]]), prev_logprobs=torch.tensor([[0.0, -1.1, -1.5]]),
-        ...     reference_policy_logprobs=torch.tensor([[0.0, -1.0, -1.0]]), generation_logprobs=torch.tensor([[0.0, -1.1, -1.5]]),
-        ...     advantages=torch.tensor([[0.0, 1.0, 1.0]]), token_mask=torch.tensor([[False, True, True]]), sample_mask=torch.tensor([True]))
-        >>> clipped_pg_loss(b, ratio_clip_min=0.2, ratio_clip_max=0.2, ratio_clip_c=None, reference_policy_kl_penalty=0.0,
-        ...     reference_policy_kl_type="k3", global_valid_toks=2, global_valid_seqs=1)[0]  # (-exp(0.1) - 1.2) / 2
+        >>> b = LossInputs(
+        ...     logprobs=torch.tensor([[0.0, -1.0, -1.0]]),
+        ...     prev_logprobs=torch.tensor([[0.0, -1.1, -1.5]]),
+        ...     reference_policy_logprobs=torch.tensor([[0.0, -1.0, -1.0]]),
+        ...     generation_logprobs=torch.tensor([[0.0, -1.1, -1.5]]),
+        ...     advantages=torch.tensor([[0.0, 1.0, 1.0]]),
+        ...     token_mask=torch.tensor([[False, True, True]]),
+        ...     sample_mask=torch.tensor([True]),
+        ... )
+        >>> clipped_pg_loss(
+        ...     b, ratio_clip_min=0.2, ratio_clip_max=0.2, ratio_clip_c=None, reference_policy_kl_penalty=0.0,
+        ...     reference_policy_kl_type="k3", global_valid_toks=2, global_valid_seqs=1,
+        ... )[0]  # (-exp(0.1) - 1.2) / 2
         tensor(-1.1526)
 
     Args:

@@ -13,6 +13,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ def model_construction() -> Iterator[None]:
     reference or the policy) interleave those swaps: a load whose ``_finalize_model_loading`` calls ``tie_weights``
     while the other is inside the context ties nothing, and its ``lm_head.weight`` (tied to the embedding, so not in
     the checkpoint) stays on the meta device; and a context entered while the other's is open saves the no-op as the
-    original and restores it, so no later load in the process ties its weights (issue 29: "unsupported autocast
-    device_type 'meta'", or ``Cannot copy out of meta tensor`` in ``Module.to``). Serialising construction makes each
+    original and restores it, so no later load in the process ties its weights (``unsupported autocast device_type
+    'meta'``, or ``Cannot copy out of meta tensor`` in ``Module.to``). Serialising construction makes each
     load see the state it set itself. Re-entrant (a load inside a load in the same thread is fine).
 
     Every ``from_pretrained`` or model constructor that may run beside another thread goes through here:
@@ -75,8 +76,6 @@ def resolve_model(name: str) -> str:
 
 
 def _gguf_path() -> Path:
-    from importlib import metadata
-
     try:
         path = Path(str(metadata.distribution(GGUF_DIST).locate_file(GGUF_FILE)))
     except metadata.PackageNotFoundError:

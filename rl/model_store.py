@@ -9,12 +9,13 @@ relative path, size and SHA-256), so a second run of the same model finds it the
 cache (:func:`cache_root`), downloaded once per node and checked against the manifest.
 
 The published folder has :mod:`rl.checkpoint`'s format, a weights-only checkpoint: the files, then a ``_COMPLETE``
-marker holding the manifest, written last. A folder without its marker (its publisher died half-way, or is still
-uploading) is not trusted: :func:`materialize` refuses it and the next :func:`publish` completes it. Publishers never
-delete anything, and concurrent ones are safe: on an object store they upload identical bytes to the same keys, each
-writing the marker only after all of its own files; on a local or shared disk each stages a hidden folder and renames
-it into place, the first rename winning. The node cache works the same way (a hidden download folder, verified, then
-renamed), so pods that start side by side on one node never see each other's half-written files.
+marker holding the manifest (:mod:`rl.manifest`), written last. A folder without its marker (its publisher died
+half-way, or is still uploading) is not trusted: :func:`materialize` refuses it and the next :func:`publish` completes
+it. Publishers never delete anything, and concurrent ones are safe: on an object store they upload identical bytes to
+the same keys, each writing the marker only after all of its own files; on a local or shared disk each stages a
+hidden folder and renames it into place, the first rename winning. The node cache works the same way (a hidden
+download folder, verified, then renamed), so pods that start side by side on one node never see each other's
+half-written files.
 
 Local folders and hub ids pass through :func:`materialize` unchanged, so a run on one machine (the local executor)
 loads its model where it is, with nothing hashed or copied; only a remote execution publishes (``tasks.setup``).
@@ -39,6 +40,7 @@ from typing import Any
 
 from dataplane.errors import IntegrityError, retry_transient
 from dataplane.urls import redact
+from rl.manifest import COMPLETE, encode, filesystem, parse, read_marker, verify_folder
 
 MODELS = "models"
 """The folder under a storage root that holds published models (beside the runs' folders)."""
@@ -74,7 +76,8 @@ def _published_files(folder: Path) -> dict[str, Path]:
     """The files of a model folder that a publish copies, by relative POSIX path: everything but hidden files and
     folders (``.git``, a hub download's ``.cache``), a checkpoint's ``_COMPLETE`` marker, its ``trainer_state/`` and
     its serving copies (``bfloat16/``)."""
-    from rl.checkpoint import COMPLETE, SERVING_DTYPES, TRAINER_STATE
+    from rl.checkpoint import SERVING_DTYPES
+    from rl.trainer_state import TRAINER_STATE
 
     out = {}
     for p in sorted(folder.rglob("*")):
@@ -91,24 +94,14 @@ def _published_files(folder: Path) -> dict[str, Path]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def manifest(folder: str | Path) -> bytes:
     """The manifest of the model folder ``folder`` as a published marker holds it: canonical JSON (sorted keys) in
-    :mod:`rl.checkpoint`'s format, ``{"format", "algorithm": "sha256", "files": {relative_path: {"size": bytes,
-    "sha256": hex}}}``. Reads every file once (~1 GB/s here).
+    :mod:`rl.manifest`'s format, ``{"format", "algorithm": "sha256", "files": {relative_path: {"size": bytes,
+    "sha256": hex}}}``, of the files a publish copies. Reads every file once (~1 GB/s here).
 
     Raises:
         FileNotFoundError: ``folder`` is not a folder, or holds no file to publish.
     """
-    from rl.checkpoint import HASH, MANIFEST_FORMAT
-
     src = Path(folder)
     if not src.is_dir():
         msg = f"model folder {src}: not a folder"
@@ -117,8 +110,7 @@ def manifest(folder: str | Path) -> bytes:
     if not files:
         msg = f"model folder {src}: no files to publish"
         raise FileNotFoundError(msg)
-    doc = {rel: {"size": p.stat().st_size, HASH: _sha256(p)} for rel, p in files.items()}
-    return json.dumps({"format": MANIFEST_FORMAT, "algorithm": HASH, "files": doc}, indent=1, sort_keys=True).encode()
+    return encode(files)
 
 
 def digest(manifest_bytes: bytes) -> str:
@@ -131,9 +123,7 @@ def is_remote(url: str) -> bool:
     ``simplecache::s3://...``); a local folder, ``file://`` URL or hub id (``org/name``) is not."""
     if "://" not in url and "::" not in url:
         return False
-    from rl.checkpoint import _fs
-
-    return not _fs(url, None)[2]
+    return not filesystem(url, None)[2]
 
 
 def _local_path(url: str) -> str:
@@ -166,17 +156,18 @@ def publish(folder: str | Path, root: str, storage_options: dict[str, Any] | Non
             store: its size).
         OSError and storage errors: permanent, or transient past the retry deadline (a later publish completes it).
     """
-    from rl.checkpoint import COMPLETE, _fs
-
     src = Path(folder)
     raw = manifest(src)
     key = digest(raw)
     url = f"{models_dir(root)}/{key}"
-    fs, path, local = _fs(url, storage_options)
-    found = _read_marker(fs, path, url)
+    fs, path, local = filesystem(url, storage_options)
+    found = read_marker(fs, path, f"published model {redact(url)}")
     if found is not None:
         if found != raw:
-            msg = f"published model {redact(url)}: its {COMPLETE} marker holds another manifest than the folder it is named after; storage is corrupt there: delete {redact(url)} and publish again"
+            msg = (
+                f"published model {redact(url)}: its {COMPLETE} marker holds another manifest than the folder it is "
+                f"named after; storage is corrupt there: delete {redact(url)} and publish again"
+            )
             raise IntegrityError(msg)
         return url
     t0 = time.perf_counter()
@@ -187,33 +178,21 @@ def publish(folder: str | Path, root: str, storage_options: dict[str, Any] | Non
         _upload(fs, path, url, src, raw, files)
     size = sum(e["size"] for e in files.values())
     print(
-        f"[grpoflow] published the base model ({len(files)} files, {size / 1e6:.1f} MB) to {redact(url)} in {time.perf_counter() - t0:.1f} s",
+        f"[grpoflow] published the base model ({len(files)} files, {size / 1e6:.1f} MB) to {redact(url)} in "
+        f"{time.perf_counter() - t0:.1f} s",
         flush=True,
     )
     return url
 
 
-def _read_marker(fs: Any, path: str, url: str) -> bytes | None:
-    from rl.checkpoint import COMPLETE
-
-    try:
-        return retry_transient(
-            lambda: fs.cat_file(f"{path}/{COMPLETE}"), what=f"published model {redact(url)}: read {COMPLETE}"
-        )
-    except FileNotFoundError:
-        return None
-
-
 def _publish_local(src: Path, target: Path, raw: bytes, files: dict[str, Any]) -> None:
-    from rl.checkpoint import COMPLETE, _verify_folder
-
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"  # hidden: never taken for a model
     try:
         for rel in files:
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / rel, staging / rel)
-        _verify_folder(staging, json.loads(raw), f"published model {target}")  # what lands is what the manifest says
+        verify_folder(staging, json.loads(raw), f"published model {target}")  # what lands is what the manifest says
         (staging / COMPLETE).write_bytes(raw)
         try:
             staging.rename(target)  # atomic: the folder appears whole, its marker included
@@ -225,14 +204,15 @@ def _publish_local(src: Path, target: Path, raw: bytes, files: dict[str, Any]) -
 
 
 def _upload(fs: Any, path: str, url: str, src: Path, raw: bytes, files: dict[str, Any]) -> None:
-    from rl.checkpoint import COMPLETE
-
     def put(rel: str) -> None:
         dest = f"{path}/{rel}"
         retry_transient(lambda: fs.put_file(str(src / rel), dest), what=f"published model {redact(url)}: upload {rel}")
         size = retry_transient(lambda: fs.info(dest)["size"], what=f"published model {redact(url)}: check {rel}")
         if size != files[rel]["size"]:
-            msg = f"published model {redact(url)}: {rel} has {size} bytes after its upload, the manifest {files[rel]['size']}: did {src / rel} change meanwhile?"
+            msg = (
+                f"published model {redact(url)}: {rel} has {size} bytes after its upload, the manifest "
+                f"{files[rel]['size']}: did {src / rel} change meanwhile?"
+            )
             raise IntegrityError(msg)
 
     with ThreadPoolExecutor(max_workers=min(_WORKERS, len(files))) as pool:
@@ -248,10 +228,8 @@ def is_published(url: str, storage_options: dict[str, Any] | None = None) -> boo
     Raises:
         storage errors: permanent, or transient past the retry deadline.
     """
-    from rl.checkpoint import _fs
-
-    fs, path, _ = _fs(url, storage_options)
-    return _read_marker(fs, path, url) is not None
+    fs, path, _ = filesystem(url, storage_options)
+    return read_marker(fs, path, f"published model {redact(url)}") is not None
 
 
 def materialize(url: str, storage_options: dict[str, Any] | None = None, *, cache: str | Path | None = None) -> str:
@@ -280,28 +258,35 @@ def materialize(url: str, storage_options: dict[str, Any] | None = None, *, cach
             missing, or of another size or SHA-256 than the manifest says.
         OSError and storage errors: permanent, or transient past the retry deadline.
     """
-    from rl.checkpoint import COMPLETE, _fs, _parse_manifest, _verify_folder
-
     if not is_remote(url):
         return _local_path(url)
-    fs, path, _ = _fs(url, storage_options)
+    fs, path, _ = filesystem(url, storage_options)
     key = path.rsplit("/", 1)[-1]
     if not _DIGEST.fullmatch(key):
-        msg = f"{redact(url)}: not a published model (a remote model is loaded from {{root}}/{MODELS}/<sha256 digest>, as start_run publishes it); give a local folder or hub id, or a published model's URL"
+        msg = (
+            f"{redact(url)}: not a published model (a remote model is loaded from {{root}}/{MODELS}/<sha256 digest>, "
+            "as start_run publishes it); give a local folder or hub id, or a published model's URL"
+        )
         raise ValueError(msg)
     root = Path(cache) if cache is not None else cache_root()
     target = root / key
     if _cached(target, key):
         return str(target)
-    raw = _read_marker(fs, path, url)
     where = f"published model {redact(url)}"
+    raw = read_marker(fs, path, where)
     if raw is None:
-        msg = f"{where} is not complete: it has no {COMPLETE} marker (its publisher died before finishing, or the URL is wrong); a model is loaded only once published whole"
+        msg = (
+            f"{where} is not complete: it has no {COMPLETE} marker (its publisher died before finishing, or the URL "
+            "is wrong); a model is loaded only once published whole"
+        )
         raise IntegrityError(msg)
     if digest(raw) != key:
-        msg = f"{where}: its {COMPLETE} marker hashes to {digest(raw)}, not to the digest the folder is named after; storage is corrupt there"
+        msg = (
+            f"{where}: its {COMPLETE} marker hashes to {digest(raw)}, not to the digest the folder is named after; "
+            "storage is corrupt there"
+        )
         raise IntegrityError(msg)
-    doc = _parse_manifest(raw, where)
+    doc = parse(raw, where)
     files = doc["files"]
     t0 = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
@@ -319,7 +304,7 @@ def materialize(url: str, storage_options: dict[str, Any] | None = None, *, cach
 
         with ThreadPoolExecutor(max_workers=min(_WORKERS, len(files))) as pool:
             list(pool.map(get, files))
-        _verify_folder(staging, doc, where)  # sizes and SHA-256 of every file against the manifest
+        verify_folder(staging, doc, where)  # sizes and SHA-256 of every file against the manifest
         (staging / CACHE_MANIFEST).write_bytes(raw)
         try:
             staging.rename(target)
@@ -330,7 +315,8 @@ def materialize(url: str, storage_options: dict[str, Any] | None = None, *, cach
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(e["size"] for e in files.values())
     print(
-        f"[grpoflow] base model {key[:12]}: {len(files)} files, {size / 1e6:.1f} MB from {redact(url)} into the node cache {target} in {time.perf_counter() - t0:.1f} s",
+        f"[grpoflow] base model {key[:12]}: {len(files)} files, {size / 1e6:.1f} MB from {redact(url)} into the node "
+        f"cache {target} in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
     return str(target)
@@ -340,21 +326,20 @@ def _cached(target: Path, key: str) -> bool:
     """Whether the node cache holds the model ``key`` at ``target`` whole: its :data:`CACHE_MANIFEST` hashes to
     ``key`` and every listed file has its size. Anything else there (a copy with a file truncated or gone, a folder
     left by something else) is moved aside and removed, with a warning, so that a fresh download can take its place."""
-    from rl.checkpoint import _parse_manifest
-
     if not target.exists():
         return False
     try:
         raw = (target / CACHE_MANIFEST).read_bytes()
         ok = digest(raw) == key and all(
             (target / rel).is_file() and (target / rel).stat().st_size == e["size"]
-            for rel, e in _parse_manifest(raw, str(target))["files"].items()
+            for rel, e in parse(raw, str(target))["files"].items()
         )
     except (OSError, IntegrityError):
         ok = False
     if not ok:
         print(
-            f"[grpoflow] warning: the node cache's copy {target} is damaged or not a cached model; downloading the model again",
+            f"[grpoflow] warning: the node cache's copy {target} is damaged or not a cached model; downloading the "
+            "model again",
             file=sys.stderr,
             flush=True,
         )

@@ -199,28 +199,8 @@ def to_columns(groups: Groups, sample_mask: torch.Tensor, *, group_size: int, we
     }
 
 
-ROLLOUT_DTYPES = {
-    F.INPUT_IDS: "int64",
-    F.INPUT_LENGTHS: "int64",
-    F.GENERATION_LOGPROBS: "float32",
-    F.TOKEN_MASK: "bool",
-    F.SAMPLE_MASK: "bool",
-    F.REWARDS: "float32",
-    F.TRUNCATED: "bool",
-    F.PROMPT_INDEX: "int64",
-    F.GENERATION_INDEX: "int64",
-    F.WEIGHT_VERSION: "int64",
-    F.PROMPT_LENGTHS: "int64",
-    F.PROMPT_TEXT: "str",
-    F.RESPONSE_TEXT: "str",
-    F.ANSWER_TEXT: "str",
-}
-"""Schema of a validation partition (rollout columns only)."""
+ROLLOUT_DTYPES = F.ROLLOUT_DTYPES
+"""Schema of a validation partition (rollout columns only); defined in ``dataplane.fields``."""
 
-STEP_SCHEMA = {
-    **ROLLOUT_DTYPES,
-    F.PREV_LOGPROBS: "float32",
-    F.REFERENCE_POLICY_LOGPROBS: "float32",
-    F.ADVANTAGES: "float32",
-}
-"""Schema of a step partition: rollout columns plus the deltas written by later tasks."""
+STEP_SCHEMA = F.STEP_SCHEMA
+"""Schema of a step partition (rollout columns, then later tasks' delta columns); defined in ``dataplane.fields``."""

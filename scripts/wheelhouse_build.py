@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 from wheelhouse import (
@@ -52,8 +53,6 @@ def platform_tags(platform: str) -> list[str]:
 
 def glibc_needed(whl: Path) -> tuple[int, int] | None:
     """The newest ``GLIBC_2.N`` symbol version that the shared objects in a wheel ask for (None: no shared object)."""
-    import zipfile
-
     newest = None
     with zipfile.ZipFile(whl) as z:
         for name in z.namelist():
@@ -233,7 +232,8 @@ def build(args: argparse.Namespace) -> None:
     sel = select(resolved, want, have, env)
     if sel.missing:
         raise SystemExit(
-            f"required on Python {args.python} but not resolved (resolve with a Python {args.python}: --resolver-python): {sel.missing}"
+            f"required on Python {args.python} but not resolved (resolve with a Python {args.python}: "
+            f"--resolver-python): {sel.missing}"
         )
     for name in sel.never:
         print(f"warning: {name} is needed but never shipped: the target must have it", file=sys.stderr)

@@ -24,16 +24,16 @@ def install_config_options() -> None:
     value with `load_config`'s reader and print a short help; a no-op unless pyflyte's ``run`` module is imported.
     Idempotent.
 
-    Why here: flytekit builds the option of each workflow input in ``run.to_click_option``. For a dataclass it
-    appends ``json.dumps`` of the input's literal type metadata to the help (mashumaro's JSON schema: ~700 lines for
+    Why here: flytekit builds the option of each workflow input in ``run.to_click_option``. For a dataclass it appends
+    ``json.dumps`` of the input's literal type metadata to the help (mashumaro's JSON schema: ~700 lines for
     ``RunConfig`` with its field descriptions), shows the whole default config as JSON, and parses the value with
-    ``JsonParamType`` (``json.loads``, else a local file read as is: a missing file reads as bad JSON, ``file://``
-    is no file, duplicate keys are kept silently). That metadata must stay: it is what registration sends (also
-    ``pyflyte run --remote``, from the same interface objects in the same process) and what the console's launch
-    form renders, descriptions included. So nothing changes at the type (a custom TypeTransformer, or the
-    metadata, would change what is registered): this wraps ``to_click_option`` and replaces, on the option it
-    returns for a config input, its ``help`` (`config_help`: it names the keys in which the default differs), its
-    ``type`` (`config_param_type`), and turns off the display of its default (the whole config as JSON). Every other input and option is flytekit's own.
+    ``JsonParamType`` (``json.loads``, else a local file read as is: a missing file reads as bad JSON, ``file://`` is no
+    file, duplicate keys are kept silently). That metadata must stay: it is what registration sends (also ``pyflyte run
+    --remote``, from the same interface objects in the same process) and what the console's launch form renders,
+    descriptions included. So nothing changes at the type (a custom TypeTransformer, or the metadata, would change what
+    is registered): this wraps ``to_click_option`` and replaces, on the option it returns for a config input, its
+    ``help`` (`config_help`: it names the keys in which the default differs), its ``type`` (`config_param_type`), and
+    turns off the display of its default (the whole config as JSON). Every other input and option is flytekit's own.
 
     Every ``pyflyte`` command imports the ``run`` module before it loads a workflow file, so the import of
     ``tasks.run_config`` installs the wrapper in time; elsewhere (a task pod, Python) nothing of the CLI is
@@ -62,16 +62,17 @@ def install_config_options() -> None:
 
 def config_help(root: type[GRPOConfig], description: str = "", default: Any = None) -> str:
     """The help of a config option: what it takes, the sections with their one-line descriptions, where every key is
-    documented (docs/config.md), and the keys in which ``default`` (the option's default as flytekit passes it: a
-    config as JSON) differs from ``root()`` (credentials in URLs redacted). ``description``: the workflow's own words on the input, put first.
-    Paragraphs are split by a blank line, and ``\\b`` keeps the line breaks of one (click's and rich-click's rule)."""
+    documented (docs/config.md), and the keys in which ``default`` (the option's default as flytekit passes it: a config
+    as JSON) differs from ``root()`` (credentials in URLs redacted). ``description``: the workflow's own words on the
+    input, put first. Paragraphs are split by a blank line, and ``\\b`` keeps the line breaks of one (click's and
+    rich-click's rule)."""
     sections = "\n".join(f"{name}: {one_line(doc).rstrip('.')}" for name, doc in field_docs(root).items())
     changed = _changed_keys(root, default)
     paragraphs = [
         (
             f'{description.strip()} Inline JSON (\'{{"grpo": {{"max_num_steps": 2}}}}\') or a .yaml, .yml or .json '
-            "file, a path or a URL (configs/quick.yaml, file:///abs/x.yaml, s3://bucket/x.yaml). Give only the keys you "
-            "change; the rest keep their defaults."
+            "file, a path or a URL (configs/quick.yaml, file:///abs/x.yaml, s3://bucket/x.yaml). Give only "
+            "the keys you change; the rest keep their defaults."
         ),
         f"\b\nSections:\n{sections}",
         "Every key, its type and default: docs/config.md.",

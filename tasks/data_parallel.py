@@ -99,7 +99,8 @@ class DataParallelTask(PytorchElasticFunctionTask):
 
 
 def _node_range(nnodes: int | str) -> tuple[int, int]:
-    """``2`` -> (2, 2); ``"1:4"`` -> (1, 4): torchrun's ``--nnodes`` (``torch.distributed.run.parse_min_max_nnodes``)."""
+    """``2`` -> (2, 2); ``"1:4"`` -> (1, 4): torchrun's ``--nnodes``
+    (``torch.distributed.run.parse_min_max_nnodes``)."""
     low, _, high = str(nnodes).partition(":")
     return int(low), int(high or low)
 
@@ -123,7 +124,10 @@ def _ranked(body: Callable[..., Any]) -> Callable[..., Any]:
             if not _lost_peer(err):
                 raise
             time.sleep(PEER_LOST_WAIT_S)
-            msg = f"rank {os.environ.get('RANK', '?')}: lost a peer rank ({type(err).__name__}: {str(err).splitlines()[0]}); Flyte retries the task"
+            msg = (
+                f"rank {os.environ.get('RANK', '?')}: lost a peer rank ({type(err).__name__}: "
+                f"{str(err).splitlines()[0]}); Flyte retries the task"
+            )
             raise FlyteRecoverableException(msg) from err
 
     return run

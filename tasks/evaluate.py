@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from flytekit import current_context, task
 
+from dataplane import paths
+from dataplane.errors import retry_transient
+from dataplane.urls import redact
+from tasks import runtime
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.run_config import RunConfig
-from tasks.types import RunInfo
+from tasks.types import PolicyVersion, RunInfo
 
 
 @task(retries=2, **declared("cpu"))
@@ -27,8 +31,6 @@ def find_checkpoint(cfg: RunConfig, run_id: str = "", checkpoint: str = "") -> R
         ValueError: both given, or no complete checkpoint with trainer state found where asked.
         OSError and storage errors: publishing the model failed.
     """
-    from dataplane import paths
-    from dataplane.urls import redact
     from rl import checkpoint as ckpt
     from tasks.setup import run_model
 
@@ -39,7 +41,10 @@ def find_checkpoint(cfg: RunConfig, run_id: str = "", checkpoint: str = "") -> R
     if not checkpoint:
         checkpoint = _newest(root, so, run_id)
     if not ckpt.has_trainer_state(checkpoint, so):
-        msg = f"find_checkpoint: {redact(checkpoint)} is not a complete checkpoint with trainer state (a checkpoints/step_N folder)"
+        msg = (
+            f"find_checkpoint: {redact(checkpoint)} is not a complete checkpoint with trainer state "
+            "(a checkpoints/step_N folder)"
+        )
         raise ValueError(msg)
     state = ckpt.trainer_state_doc(checkpoint, so)
     parent = checkpoint.rstrip("/").rsplit("/", 3)  # {root}/{run_id}/checkpoints/step_N
@@ -62,15 +67,15 @@ def _newest(root: str, so: dict, run_id: str) -> str:
     """The newest complete checkpoint of ``run_id`` (by step), or of any run (by marker time) when it is empty."""
     import fsspec
 
-    from dataplane import paths
-    from dataplane.errors import retry_transient
-    from dataplane.urls import redact
     from rl import checkpoint as ckpt
 
     if run_id:
         found = ckpt.list_complete(paths.checkpoints_dir(root, run_id), so)
         if not found:
-            msg = f"find_checkpoint: run {run_id!r} has no complete checkpoint under {redact(paths.checkpoints_dir(root, run_id))}"
+            msg = (
+                f"find_checkpoint: run {run_id!r} has no complete checkpoint under "
+                f"{redact(paths.checkpoints_dir(root, run_id))}"
+            )
             raise ValueError(msg)
         return found[-1][1]
     fs, base = fsspec.core.url_to_fs(root, **so)
@@ -97,8 +102,6 @@ def evaluate(cfg: RunConfig, run: RunInfo) -> float:
     """Greedy accuracy of the checkpoint ``run.start_policy_path`` on ``data.num_val_problems`` held-out questions;
     logs ``evaluation/accuracy`` (and ``evaluation/avg_length``, ``evaluation/reward``) at the checkpoint's step in
     the run's MLflow run, beside its training curves."""
-    from tasks import runtime
-    from tasks.types import PolicyVersion
     from tasks.validate import greedy_accuracy
 
     since = runtime.begin_task()

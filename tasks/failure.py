@@ -1,5 +1,5 @@
 """The ``on_failure`` handlers of the ``grpo`` workflows: when a run's execution fails, its MLflow run is marked FAILED
-instead of staying RUNNING (issue 29: a local run that died with an exception left it RUNNING), and a local run's
+instead of staying RUNNING (also where a local run dies with an exception in this process), and a local run's
 in-process back-ends and trajectory collector are released.
 
 Flyte runs a workflow's ``on_failure`` node once the workflow has failed, with the workflow's inputs and the error
@@ -15,6 +15,9 @@ import sys
 from flytekit import current_context, task
 from flytekit.types.error import FlyteError
 
+from dataplane.urls import redact
+from rl.config import load_config
+from tasks import runtime, tracking
 from tasks.placement import declared
 from tasks.run_config import RunConfig
 
@@ -29,8 +32,6 @@ def run_failed(cfg: RunConfig, err: FlyteError | None = None) -> None:
 def run_failed_from_file(config_url: str, err: FlyteError | None = None) -> None:
     """:func:`run_failed` for ``workflows.grpo.grpo_from_file``: the config is read from ``config_url`` again (a config
     that does not load failed the run before it had an MLflow run: nothing to mark)."""
-    from rl.config import load_config
-
     try:
         cfg = load_config(config_url)
     except Exception as exc:  # noqa: BLE001 - the workflow's own error is the one raised
@@ -55,9 +56,6 @@ def mark_failed(cfg: RunConfig, err: FlyteError | None) -> list[str]:
     Returns:
         the ids of the runs marked FAILED.
     """
-    from dataplane.urls import redact
-    from tasks import runtime, tracking
-
     failed: list[str] = []
     try:
         execution = current_context().execution_id

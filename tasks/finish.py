@@ -7,11 +7,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from flytekit import Deck, task
 
+from dataplane.urls import redact
+from tasks import plots, runtime, saving, tracking
 from tasks.placement import declared
 from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo, RunSummary
@@ -28,7 +31,6 @@ def pip_requirements() -> list[str]:
     """``["torch==2.13.0", "transformers==...", ...]``: the installed versions of ``_PIP_PACKAGES`` without local
     labels (``2.13.0+cpu`` -> ``2.13.0``, installable from PyPI). Given explicitly so that MLflow does not infer
     them (which would load the model in a subprocess)."""
-    from importlib.metadata import version
 
     return [f"{name}=={version(name).split('+')[0]}" for name in _PIP_PACKAGES]
 
@@ -61,7 +63,10 @@ def hf_folder(cfg: RunConfig, policy: PolicyVersion) -> Iterator[Path]:
                 if item.is_file() and not item.name.startswith("_"):  # HF files only: no trainer state, no marker
                     (hf / item.name).symlink_to(item)
             if not (hf / "config.json").is_file():
-                msg = f"policy of step {policy.step} at {policy.path}: no config.json there, so it is not an HF model folder to log"
+                msg = (
+                    f"policy of step {policy.step} at {policy.path}: no config.json there, "
+                    "so it is not an HF model folder to log"
+                )
                 raise FileNotFoundError(msg)
             yield hf
     finally:
@@ -75,7 +80,8 @@ def _model_card(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> Any:
     text = (
         f"---\nlibrary_name: transformers\npipeline_tag: {MODEL_TASK}\ntags: [grpo, grpoflow]\n---\n"
         f"# {cfg.tracking.registered_model_name or MODEL_NAME}\n\n"
-        f"{cfg.model.name} after {policy.step} GRPO steps of grpoflow run `{run.run_id}` (MLflow run `{run.mlflow_run_id}`).\n"
+        f"{cfg.model.name} after {policy.step} GRPO steps of grpoflow run `{run.run_id}` "
+        f"(MLflow run `{run.mlflow_run_id}`).\n"
     )
     return ModelCard(text)
 
@@ -126,8 +132,6 @@ def log_model_and_end_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -
 def finish_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, validation_accuracy: float) -> RunSummary:
     """Log the reward/accuracy plot, the last checkpoint's location and the final model (see
     :func:`log_model_and_end_run`), mark the MLflow run finished."""
-    from dataplane.urls import redact
-    from tasks import plots, runtime, saving, tracking
 
     since = runtime.begin_task()
     runtime.release(run)  # this process's engines and trainer of the run are done
@@ -135,7 +139,8 @@ def finish_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, validation_a
     removed = runtime.dataplane(cfg, run).collect_garbage()  # files of killed writers and losing attempts
     if any(removed.values()):
         print(
-            f"[grpoflow] removed {removed['orphan_data_files']} orphan data files and {removed['temp_files']} temporary files",
+            f"[grpoflow] removed {removed['orphan_data_files']} orphan data files and "
+            f"{removed['temp_files']} temporary files",
             flush=True,
         )
     c = tracking.client(cfg.tracking.uri)
@@ -154,7 +159,8 @@ def finish_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, validation_a
         flush=True,
     )
     print(
-        f"[grpoflow] MLflow run {run.mlflow_run_id} in {redact(cfg.tracking.uri)} (experiment {cfg.tracking.experiment_name!r})",
+        f"[grpoflow] MLflow run {run.mlflow_run_id} in {redact(cfg.tracking.uri)} "
+        f"(experiment {cfg.tracking.experiment_name!r})",
         flush=True,
     )
     print(f"[grpoflow] last checkpoint: {redact(policy.path)}", flush=True)

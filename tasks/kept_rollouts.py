@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from dataplane import fields as F
 from dataplane import paths
+from dataplane.errors import retry_transient
 from dataplane.meta import KVBatchMeta
 from tasks.run_config import RunConfig
 from tasks.types import RunInfo
@@ -98,7 +99,10 @@ def keep(cfg: RunConfig, run: RunInfo, dp: DataPlane, meta: KVBatchMeta, step: i
     if not cfg.dataplane.keep_rollouts:
         return None
     if meta.partition_id != paths.step_partition(step):
-        msg = f"keep_rollouts of step {step} got a meta of partition {meta.partition_id!r}; pass the meta of {paths.step_partition(step)!r}"
+        msg = (
+            f"keep_rollouts of step {step} got a meta of partition {meta.partition_id!r}; "
+            f"pass the meta of {paths.step_partition(step)!r}"
+        )
         raise ValueError(msg)
     if dp.run_id != run.run_id:
         msg = f"keep_rollouts of run {run.run_id!r} got the data plane of run {dp.run_id!r}"
@@ -143,7 +147,10 @@ def to_table(cols: dict[str, Any], *, sample_ids: list[str], step: int, where: s
     varying = np.flatnonzero((expected != adv_values) & ~(np.isnan(expected) & np.isnan(adv_values)))
     if varying.size:
         rows = np.unique(np.searchsorted(adv_offsets, varying, side="right") - 1)
-        msg = f"{where}: the advantage of samples {[sample_ids[i] for i in rows[:5]]} varies across their tokens; kept rollouts hold one advantage per sample"
+        msg = (
+            f"{where}: the advantage of samples {[sample_ids[i] for i in rows[:5]]} varies across their tokens; "
+            "kept rollouts hold one advantage per sample"
+        )
         raise ValueError(msg)
     position = np.arange(len(lp_values)) - np.repeat(adv_offsets[:-1], lengths)  # [T] index within its row
     response = position >= np.repeat(prompt, lengths)  # [T] True on response tokens
@@ -186,8 +193,6 @@ def _write_atomic(url: str, payload: bytes, storage_options: dict[str, Any]) -> 
     ``DataPlane.collect_garbage`` removes it if the writer dies) renamed over it; on an object store one PUT (S3
     makes an object visible only once it is complete, multipart uploads included)."""
     import fsspec
-
-    from dataplane.errors import retry_transient
 
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     what = f"kept rollouts {url}: write"

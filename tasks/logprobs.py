@@ -7,6 +7,8 @@ import time
 from flytekit import task
 
 from dataplane.meta import KVBatchMeta
+from rl.backends.dataplane_policy import DataPlanePolicy
+from tasks import runtime
 from tasks.data_parallel import DataParallel, fault_drill
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
@@ -24,7 +26,6 @@ def policy_logprobs(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: K
     one forward pass over the batch and is exactly equal rather than equal up to float noise.
     """
     from rl import distributed
-    from tasks import runtime
 
     since = runtime.begin_task()
     if cfg.on_policy:  # the step loop does not even create this node then (see workflows/grpo.py)
@@ -34,7 +35,7 @@ def policy_logprobs(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: K
     with distributed.process_group():  # N ranks: each writes its shard's rows (tasks.data_parallel)
         backend = runtime.policy(cfg, run, policy)
         ready = runtime.startup_metric("policy_logprobs", since)
-        out = backend.get_logprobs_from_meta(meta, runtime.dataplane(cfg, run))
+        out = DataPlanePolicy(backend, runtime.dataplane(cfg, run)).get_logprobs_from_meta(meta)
         fault_drill("policy_logprobs")
     return out.with_extra_info(**{"timing/train/prev_lp": time.time() - started, **ready})
 
@@ -44,7 +45,6 @@ def policy_logprobs(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: K
 def reference_logprobs(cfg: RunConfig, run: RunInfo, meta: KVBatchMeta) -> KVBatchMeta:
     """Write ``reference_policy_logprobs``: log pi_ref of every token under the base model."""
     from rl import distributed
-    from tasks import runtime
 
     since = runtime.begin_task()
     started = time.time()
@@ -53,6 +53,6 @@ def reference_logprobs(cfg: RunConfig, run: RunInfo, meta: KVBatchMeta) -> KVBat
         backend = runtime.policy(cfg, run)
         backend.load_reference_policy()
         ready = runtime.startup_metric("reference_logprobs", since)
-        out = backend.get_reference_policy_logprobs_from_meta(meta, runtime.dataplane(cfg, run))
+        out = DataPlanePolicy(backend, runtime.dataplane(cfg, run)).get_reference_policy_logprobs_from_meta(meta)
         fault_drill("reference_logprobs")
     return out.with_extra_info(**{"timing/train/ref_lp": time.time() - started, **ready})

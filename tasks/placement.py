@@ -15,6 +15,7 @@ from typing import Any
 from flytekit import ImageSpec, Resources
 from flytekit.extras.accelerators import GPUAccelerator
 
+from images import REGISTRY
 from images.cpu import cpu_image
 from images.rollout_gpu import rollout_gpu_image
 from images.train_gpu import train_gpu_image
@@ -74,8 +75,6 @@ def _extended(res: TaskResources) -> dict[str, Any]:
 def declared(role: str) -> dict[str, Any]:
     """``@task`` keyword arguments of a task of class ``role``: its ImageSpec and the default config's resources
     (requests equal to limits: Guaranteed QoS, so a pod is not evicted under memory pressure mid-step)."""
-    from images import REGISTRY
-
     res: TaskResources = getattr(ResourcesConfig(), role)
     r = _resources(res)
     env = {"GRPOFLOW_IMAGE_REGISTRY": REGISTRY} if REGISTRY else None
@@ -153,8 +152,8 @@ def placed(cfg: RunConfig, task: Any, *, node_name: str | None = None) -> Callab
             node_name=node_name, **overrides(cfg, role, image_name=steps_image(cfg) if whole_steps else None)
         )
         if isinstance(getattr(task, "task_config", None), DataParallel):
-            # several nodes make the node a Kubeflow PyTorchJob of that many replicas (one node's ranks are read from the
-            # config when the task runs, tasks.data_parallel). flytekit applies this override to the task object
+            # several nodes make the node a Kubeflow PyTorchJob of that many replicas (one node's ranks are read from
+            # the config when the task runs, tasks.data_parallel). flytekit applies this override to the task object
             # itself, so it is set back as well when a config of one node follows one of several in this process.
             nodes = DataParallel(
                 nnodes=cfg.policy.nnodes, nproc_per_node=cfg.policy.nproc_per_node if cfg.policy.nnodes > 1 else 1

@@ -91,7 +91,8 @@ def _sandbox_execute_retried(self: PythonTask, ctx: FlyteContext, input_literal_
                 raise
             name = self.name.rsplit(".", 1)[-1]
             print(
-                f"[grpoflow] {name}: attempt {attempt + 1} of {retries + 1} failed (recoverable: {_reason(err)}); retrying",
+                f"[grpoflow] {name}: attempt {attempt + 1} of {retries + 1} failed (recoverable: {_reason(err)}); "
+                "retrying",
                 file=sys.stderr,
                 flush=True,
             )

@@ -10,12 +10,14 @@ built.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from rl.config import GRPOConfig, config_from_dict, load_config
-from rl.config.checks import Section, check_fields, config_root, fail, section_name
+from rl.config.checks import Section, check_fields, config_root, fail, section_name, usage_error
 from rl.config.descriptions import document_tree
 from tasks.cli import install_config_options
 
@@ -156,7 +158,8 @@ class RunConfig(GRPOConfig):
             fail(
                 "resources.steps_per_task",
                 f"is {k} with policy.backend megatron and generation.backend vllm",
-                "no image holds both (vLLM pins its own torch): use steps_per_task 1, or generation.backend transformers",
+                "no image holds both (vLLM pins its own torch): use steps_per_task 1, or generation.backend "
+                "transformers",
             )
 
     @classmethod
@@ -169,8 +172,6 @@ class RunConfig(GRPOConfig):
             ValueError: as `GRPOConfig.from_json` and :func:`check_placement`, as a ``click.BadParameter``.
         """
         import click
-
-        from rl.config.checks import usage_error
 
         cfg = super().from_json(text)
         ctx = click.get_current_context(silent=True)
@@ -225,9 +226,6 @@ def check_placement(cfg: RunConfig, *, local: bool) -> None:
     Raises:
         ValueError: naming the keys to change.
     """
-    import math
-    import os
-
     ranks, kv_gib = cfg.policy.nproc_per_node, cfg.generation.vllm_cfg.cpu_kv_cache_gib
     vllm = cfg.generation.backend == "vllm"
     if local:

@@ -1,7 +1,8 @@
 """Process-local state of a run's tasks: the data-plane client, the base model's local folder, the tokenizer, and
 the back-ends cached per (run, role), so a local run loads each model once and refits generation from the live
 trainer in place. On a cluster every task starts cold and loads what it needs from storage: the base model through
-the node's model cache (:func:`base_model`), checkpoints from the run's storage.
+the node's model cache (:func:`base_model`), checkpoints from the run's storage. Tasks take the client, tokenizer and
+back-ends from here and pass them down to the code they call, which never reaches into this module.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from rl.backends import registry
 from rl.backends.interfaces import GenerationBackend, PolicyBackend
+from rl.model import load_tokenizer
 from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo
 
@@ -111,7 +114,6 @@ def _local_base(cfg: RunConfig, run: RunInfo, version: PolicyVersion) -> PolicyV
 @lru_cache(maxsize=4)
 def tokenizer(path: str) -> Any:
     """The tokenizer of the local model folder (or hub id) ``path``, loaded once per process."""
-    from rl.model import load_tokenizer
 
     return load_tokenizer(path)
 
@@ -131,8 +133,6 @@ def generation(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> Generatio
 
 
 def _generation_backend(cfg: RunConfig, run: RunInfo) -> GenerationBackend:
-    from rl.backends import registry
-
     gen = _BACKENDS.get((run.run_id, "generation"))
     if gen is None:
         cls = registry.load("generation", cfg.generation.backend)
@@ -172,9 +172,17 @@ def collector(cfg: RunConfig, run: RunInfo) -> TrajectoryCollector | None:
         _COLLECTORS.pop(run.run_id).stop()
         found = None
     if found is None:
-        from tasks.trajectories import TrajectoryCollector
+        from rl.step import rollout_to_batch
+        from tasks.trajectories import TrajectoryCollector, buffered_batch
 
-        found = TrajectoryCollector(cfg, run, _generation_backend(cfg, run))
+        gen, tok, dp = _generation_backend(cfg, run), base_tokenizer(cfg, run), dataplane(cfg, run)
+        found = TrajectoryCollector(
+            cfg,
+            run,
+            gen,
+            produce=lambda generator, step: rollout_to_batch(generator, tok, cfg, dataplane=dp, step=step),
+            reuse=lambda step: buffered_batch(cfg, dp, step),
+        )
         _COLLECTORS[run.run_id] = found.start_collection()
     return found
 
@@ -214,7 +222,6 @@ def policy(
     Raises:
         RuntimeError: ``training`` but no optimizer state for ``version`` exists in this process or on storage.
     """
-    from rl.backends import registry
 
     pol = _BACKENDS.get((run.run_id, "policy"))
     if pol is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataplane import paths
 from rl.backends.interfaces import PolicyBackend
 from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo
@@ -31,13 +32,12 @@ def serving_dtype(cfg: RunConfig, run: RunInfo) -> str | None:
 def save_policy(cfg: RunConfig, run: RunInfo, backend: PolicyBackend, *, started_from: PolicyVersion) -> PolicyVersion:
     """Save the weights of ``backend.weight_version``: with trainer state under ``checkpoints/`` when due (keeping the
     newest ``keep_last_k``), otherwise under ``weights/`` (keeping the newest one), with the trainer state too when
-    tasks run cold (``run.cold_tasks``: the next step's train task is another process and finds it there). The policy the
-    step ``started_from`` is kept too, so that a retry of this step finds its input; the next step prunes it. With
+    tasks run cold (``run.cold_tasks``: the next step's train task is another process and finds it there). The policy
+    the step ``started_from`` is kept too, so that a retry of this step finds its input; the next step prunes it. With
     ``grpo.max_trajectory_age_steps`` = a, so are the a policies before this one: later steps' rollouts generate with
     them (``rl.async_grpo.generation_version``). Inside a task that runs several steps, its input policy is kept
     (``run.task_input_policy``), and a step before its last saves only a checkpoint that is due
     (``run.weights_superseded``): the returned version then names a folder that was not written."""
-    from dataplane import paths
     from rl import checkpoint
 
     root, so = cfg.dataplane.root, cfg.dataplane.storage_options
@@ -70,8 +70,6 @@ def save_policy(cfg: RunConfig, run: RunInfo, backend: PolicyBackend, *, started
 
 def policy_url(cfg: RunConfig, run: RunInfo, step: int) -> str:
     """Where :func:`save_policy` puts the policy of ``step`` (``checkpoints/`` when due, else ``weights/``)."""
-    from dataplane import paths
-
     root = cfg.dataplane.root
     return (
         paths.checkpoint_dir(root, run.run_id, step)
@@ -90,7 +88,6 @@ def saved_version(cfg: RunConfig, run: RunInfo, step: int) -> PolicyVersion | No
 
 def prune_finished(cfg: RunConfig, run: RunInfo) -> None:
     """At the end of a run: the newest ``keep_last_k`` checkpoints only, no weights-only folders."""
-    from dataplane import paths
     from rl import checkpoint
 
     root, so = cfg.dataplane.root, cfg.dataplane.storage_options

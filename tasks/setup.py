@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import uuid
+from importlib import metadata
 
 from flytekit import current_context, task
 
+from dataplane import paths
+from dataplane.errors import IntegrityError
+from dataplane.urls import redact
+from rl.backends.registry import check_installed
+from rl.data import prompt_token_ids, train_problems, val_problems
+from rl.lengths import check_fits, context_limit, model_max_len
+from rl.model import load_tokenizer, resolve_model
+from rl.model_store import is_remote, materialize, publish
+from tasks import runtime, tracking
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.run_config import RunConfig, check_placement
@@ -19,9 +31,6 @@ def start_run(cfg: RunConfig) -> RunInfo:
     """Resolve (and convert once) the model, validate the dataset, publish the model to the run's storage (a
     remote execution: :func:`run_model`), create the MLflow run with the flattened config as params, and return the
     run's handle."""
-    from dataplane.urls import redact
-    from rl.backends.registry import check_installed
-    from tasks import runtime, tracking
 
     since = runtime.begin_task()
     execution = current_context().execution_id
@@ -78,11 +87,6 @@ def start_run(cfg: RunConfig) -> RunInfo:
 def _check_lengths(cfg: RunConfig, folder: str) -> None:
     """Check the dataset (its first step's problems, and the validation problems) and that those prompts plus
     ``generation.max_new_tokens`` fit the context (:mod:`rl.lengths`); the back-ends check every later prompt too."""
-    import os
-
-    from rl.data import prompt_token_ids, train_problems, val_problems
-    from rl.lengths import check_fits, context_limit, model_max_len
-    from rl.model import load_tokenizer
 
     d = cfg.data
     limit = context_limit(cfg, model_max_len(folder)) if os.path.isdir(folder) else None  # a hub id: its tasks check
@@ -141,22 +145,17 @@ def run_model(cfg: RunConfig, *, local: bool) -> str:
 def _resolve(cfg: RunConfig) -> tuple[str, str]:
     """``(model.name resolved, a local folder or hub id holding it)``: a published model's URL is downloaded into
     this node's model cache."""
-    from rl.model import resolve_model
-    from rl.model_store import materialize
 
     resolved = resolve_model(cfg.model.name)
     return resolved, materialize(resolved, cfg.dataplane.storage_options)
 
 
 def _shared(cfg: RunConfig, resolved: str, folder: str, *, local: bool) -> str:
-    import os
-
-    from rl.model_store import is_remote, publish
-
     if local or is_remote(resolved) or not os.path.isdir(folder):
         if not local and not is_remote(resolved):
             print(
-                f"[grpoflow] model {resolved!r} is not a local folder: every pod loads it from the Hugging Face hub itself",
+                f"[grpoflow] model {resolved!r} is not a local folder: "
+                "every pod loads it from the Hugging Face hub itself",
                 flush=True,
             )
         return resolved
@@ -182,19 +181,17 @@ def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = 
     Raises:
         ValueError: the run has no complete checkpoint with trainer state, or none of them verifies.
     """
-    import sys
 
-    from dataplane import paths
-    from dataplane.errors import IntegrityError
-    from dataplane.urls import redact
     from rl import checkpoint
-    from tasks import tracking
 
     so = cfg.dataplane.storage_options
     where = paths.checkpoints_dir(cfg.dataplane.root, run_id)
     found = [(s, u) for s, u in checkpoint.list_complete(where, so) if checkpoint.has_trainer_state(u, so)]
     if not found:
-        msg = f"checkpointing.resume_run_id={run_id!r}: no complete checkpoint under {redact(where)}; check the run id and dataplane.root"
+        msg = (
+            f"checkpointing.resume_run_id={run_id!r}: no complete checkpoint under {redact(where)}; "
+            "check the run id and dataplane.root"
+        )
         raise ValueError(msg)
     bad = []
     for step, url in reversed(found):  # newest first
@@ -210,7 +207,8 @@ def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = 
             )
     else:
         msg = (
-            f"checkpointing.resume_run_id={run_id!r}: none of the {len(found)} complete checkpoints under {redact(where)} "
+            f"checkpointing.resume_run_id={run_id!r}: none of the {len(found)} complete checkpoints "
+            f"under {redact(where)} "
             f"verifies: {'; '.join(bad)}"
         )
         raise ValueError(msg)
@@ -220,7 +218,8 @@ def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = 
     tracking.reopen_run(cfg.tracking.uri, state["mlflow_run_id"], execution=remote)  # its failure handler finds it
     older = f", skipping {len(bad)} newer checkpoint(s) that fail verification" if bad else ""
     print(
-        f"[grpoflow] resuming run {run_id} from step {step} ({redact(url)}){older} | MLflow run {state['mlflow_run_id']}",
+        f"[grpoflow] resuming run {run_id} from step {step} ({redact(url)}){older} "
+        f"| MLflow run {state['mlflow_run_id']}",
         flush=True,
     )
     return RunInfo(
@@ -234,8 +233,6 @@ def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = 
 
 
 def _version() -> str:
-    from importlib import metadata
-
     try:
         return metadata.version("grpoflow")
     except metadata.PackageNotFoundError:

@@ -2,7 +2,7 @@
 a checkpoint when due), log the save's timings, clear the step's partition (last: a retry after any earlier point
 finds its inputs).
 
-The order keeps every stopping point from losing the step's records (issue 29, "metrics lost on one kill window"): a
+The order keeps every stopping point from losing the step's records (no kill window loses a step's metrics): a
 resumed run restarts after the newest checkpoint, so what a step records is written before that checkpoint exists.
 Rollouts and metrics go first; a run stopped between them and the save trains the step again (same seeds, the same
 values) and finds them written (``kept_rollouts.keep`` replaces the file, ``tracking.log_metrics`` logs a step once).
@@ -20,7 +20,12 @@ from typing import Any
 
 from flytekit import task
 
+from dataplane import paths
 from dataplane.meta import KVBatchMeta
+from dataplane.urls import redact
+from rl.async_grpo import partitions_to_clear
+from rl.backends.dataplane_policy import DataPlanePolicy
+from tasks import runtime, saving, tracking
 from tasks.data_parallel import DataParallel, fault_drill
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
@@ -35,26 +40,30 @@ DONE_METRIC = "timing/train/checkpointing"
 @task(retries=2, task_config=DataParallel(), **declared("train"))
 @transient_errors_retried
 def train(
-    cfg: RunConfig, run: RunInfo, policy: PolicyVersion, batch: KVBatchMeta, prev: KVBatchMeta, ref: KVBatchMeta
+    cfg: RunConfig,
+    run: RunInfo,
+    policy: PolicyVersion,
+    with_advantages: KVBatchMeta,
+    with_prev_logprobs: KVBatchMeta,
+    with_reference_logprobs: KVBatchMeta,
 ) -> PolicyVersion:
-    """Train on ``DP_TRAIN_FIELDS`` of the step (``batch`` carries advantages; ``prev``/``ref`` carry the
-    logprob deltas and timings) and return the policy after this step.
+    """Train on the step's columns that ``rl.step.train_fields`` names (the metas the advantages, policy-logprob and
+    reference-logprob tasks returned: the columns they wrote and their timings) and return the policy after this step.
 
     With ``policy.nnodes * policy.nproc_per_node`` > 1 this body runs on every rank (``tasks.data_parallel``), each
     on its shard of the step; rank 0 alone saves, logs and clears, after every rank finished its update."""
     from rl import distributed
-    from tasks import runtime
 
     since = runtime.begin_task()
     with distributed.process_group():
-        return _train(cfg, run, policy, batch.join(prev, ref), since)
+        train_meta = with_advantages.join(with_prev_logprobs, with_reference_logprobs)
+        return _train(cfg, run, policy, train_meta, since)
 
 
 def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMeta, since: float) -> PolicyVersion:
-    from dataplane import fields as F
     from rl import distributed
-    from rl.seeding import seed_all, step_seed
-    from tasks import kept_rollouts, runtime, saving, tracking
+    from rl.step import update
+    from tasks import kept_rollouts  # loads numpy: kept out of the task module's import
 
     started = time.time()
     runtime.set_threads()
@@ -65,22 +74,20 @@ def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMet
         _finished_attempt(cfg, run, step) if lead else None
     )  # one answer for all ranks
     if finished is not None:  # an earlier attempt saved, logged and maybe cleared, then died before returning
-        from dataplane.urls import redact
-
         if lead:
             runtime.publish(run, finished)
             _clear_partitions(cfg, dp, step)
             print(
-                f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | done by an earlier attempt: {redact(finished.path)}",
+                f"[grpoflow] step {step}/{cfg.grpo.max_num_steps}"
+                f" | done by an earlier attempt: {redact(finished.path)}",
                 flush=True,
             )
         return finished
-    wanted = [f for f in F.DP_TRAIN_FIELDS if not (f == F.PREV_LOGPROBS and cfg.on_policy)]
     backend = runtime.policy(cfg, run, policy, training=True)
     ready = runtime.startup_metric("train", since)
-    seed_all(step_seed(cfg.grpo.seed, step, "train"))  # the checkpoint's RNG state is a function of the step
     try:
-        metrics = backend.train_from_meta(meta, dp, fields=wanted, rows_per_update=cfg.global_batch_size)
+        # seeded by the step (``rl.step.update``): the checkpoint's RNG state is a function of the step
+        metrics = update(cfg, DataPlanePolicy(backend, dp), meta, step=step)
         trained = time.time()
         fault_drill("train")
         backend.prepare_checkpoint(
@@ -112,8 +119,9 @@ def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMet
     runtime.publish(run, new_policy)  # an async local run's collector generates with it
     _clear_partitions(cfg, dp, step)  # last: until here a retry finds the whole step
     print(
-        f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | reward {out['train/reward']:.3f} | loss {out['train/loss']:+.4f}"
-        f" | kl {out['train/kl_penalty']:.5f} | gen {out['train/generated_tokens_per_s']:.0f} tok/s"
+        f"[grpoflow] step {step}/{cfg.grpo.max_num_steps} | reward {out['train/reward']:.3f}"
+        f" | loss {out['train/loss']:+.4f} | kl {out['train/kl_penalty']:.5f}"
+        f" | gen {out['train/generated_tokens_per_s']:.0f} tok/s"
         f" | step {out['timing/train/total_step_time']:.1f} s",
         flush=True,
     )
@@ -147,9 +155,6 @@ def _step_metrics(
 def _clear_partitions(cfg: RunConfig, dp: Any, step: int) -> None:
     """Clear the step's partition; async (a > 0), keep those a resume from the newest checkpoint needs and clear them
     at the next checkpoint (``rl.async_grpo.partitions_to_clear``)."""
-    from dataplane import paths
-    from rl.async_grpo import partitions_to_clear
-    from tasks import saving
 
     checkpoints = [c for c in range(1, step + 1) if saving.checkpoint_due(cfg, c)]
     for done in partitions_to_clear(step, cfg.grpo.max_trajectory_age_steps, checkpoints):
@@ -162,7 +167,6 @@ def _finished_attempt(cfg: RunConfig, run: RunInfo, step: int) -> PolicyVersion 
     and left what the next step needs (the trainer state on storage, or the live trainer of this process at that
     version). None: this attempt must train (it logs what the earlier one did not)."""
     from rl import checkpoint
-    from tasks import runtime, saving, tracking
 
     saved = saving.saved_version(cfg, run, step)
     if saved is None or not tracking.has_metric(cfg.tracking.uri, run.mlflow_run_id, DONE_METRIC, step):

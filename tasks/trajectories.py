@@ -1,5 +1,6 @@
-"""A step's rollout batch in the data plane: generating it, finding it again (sealed), and the in-process trajectory
-collector that generates later steps in the background while a local run trains (async GRPO).
+"""A step's rollout batch found again in the data plane (sealed), and the in-process trajectory collector that
+generates later steps in the background while a local run trains (async GRPO). Generating a batch is
+:func:`rl.step.rollout_to_batch`.
 
 On a cluster the Flyte DAG gives the overlap (``workflows/grpo.py``: the rollout of step k waits only for the policy
 of step k - a); in one process the tasks run one after another, so :class:`TrajectoryCollector` generates on a thread
@@ -11,65 +12,38 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
+from dataplane import paths
 from dataplane.meta import KVBatchMeta
 from rl.async_grpo import ReplayBuffer, Trajectories, generation_version, target_steps, trajectory_age
 from rl.backends.interfaces import GenerationBackend, PolicyVersion
 from tasks.run_config import RunConfig
 from tasks.types import RunInfo
 
-
-def generate_batch(cfg: RunConfig, run: RunInfo, generator: GenerationBackend, step: int) -> KVBatchMeta:
-    """Generate, score and write the B groups of ``step`` with the weights ``generator`` holds (its
-    ``weight_version`` is recorded per sample), then seal the partition so that a later process finds it.
-
-    Returns:
-        the batch's meta, with its rollout metrics (``rollout/*``: ``avg_trajectory_age``, ``weight_version`` too) in
-        ``extra_info``.
-    """
-    from dataplane import paths
-    from rl.rollout import STEP_SCHEMA, sample_step, to_columns
-    from tasks import runtime
-
-    g = cfg.grpo.num_generations_per_prompt
-    version = generator.weight_version
-    assert version is not None
-    groups, sample_mask, metrics = sample_step(generator, runtime.base_tokenizer(cfg, run), cfg, step=step)
-    columns = to_columns(groups, sample_mask, group_size=g, weight_version=version)
-    dp = runtime.dataplane(cfg, run)
-    partition = paths.step_partition(step)
-    dp.register_partition(partition, fields=STEP_SCHEMA, consumers=["prev_lp", "ref_lp", "train"])
-    meta = dp.put(partition, columns, group_size=g, task_name="rollout", id_key="rollout")
-    info = {f"rollout/{k}": v for k, v in metrics.items()}
-    info["rollout/avg_trajectory_age"] = float(trajectory_age(step, version))
-    info["rollout/weight_version"] = float(version)
-    meta = meta.with_extra_info(**info).stamp_pad_seqlen()
-    dp.seal(meta)
-    return meta
+if TYPE_CHECKING:
+    from dataplane.client import DataPlane
 
 
-def buffered_batch(cfg: RunConfig, run: RunInfo, step: int) -> KVBatchMeta | None:
+def buffered_batch(cfg: RunConfig, dataplane: DataPlane, step: int) -> KVBatchMeta | None:
     """``step``'s sealed batch if the data plane holds one young enough for the age bound (a resumed run finds the
     batches generated before it stopped); a batch too old for the bound is evicted (cleared). None: none usable."""
-    from dataplane import paths
-    from tasks import runtime
-
-    dp = runtime.dataplane(cfg, run)
     partition = paths.step_partition(step)
-    meta = dp.sealed(partition)
+    meta = dataplane.sealed(partition)
     if meta is None:
         return None
     version = int(meta.extra_info["rollout/weight_version"])
     age = trajectory_age(step, version)
     if 0 <= age <= cfg.grpo.max_trajectory_age_steps:
         print(
-            f"[grpoflow] step {step}: taking the batch buffered in the data plane (weight version {version}, age {age})",
+            f"[grpoflow] step {step}: taking the batch buffered in the data plane "
+            f"(weight version {version}, age {age})",
             flush=True,
         )
         return meta
-    dp.clear(partition)
+    dataplane.clear(partition)
     print(
         f"[grpoflow] step {step}: evicted a buffered batch {age} steps old (bound {cfg.grpo.max_trajectory_age_steps})",
         flush=True,
@@ -92,8 +66,8 @@ class TrajectoryCollector:
         cfg: the run's config (``grpo.max_trajectory_age_steps`` = a).
         run: the run; ``run.start_step`` and ``run.start_policy_path`` are the first version.
         generator: the generation back-end this collector drives (shared with validation, see above).
-        produce: ``(generator, step) -> meta``: generate and write one step's batch (default :func:`generate_batch`).
-        reuse: ``step -> meta or None``: a batch already in the data plane (default :func:`buffered_batch`).
+        produce: ``(generator, step) -> meta``: generate and write one step's batch (:func:`rl.step.rollout_to_batch`).
+        reuse: ``step -> meta or None``: a batch already in the data plane (:func:`buffered_batch`).
     """
 
     def __init__(
@@ -102,16 +76,16 @@ class TrajectoryCollector:
         run: RunInfo,
         generator: GenerationBackend,
         *,
-        produce: Callable[[GenerationBackend, int], KVBatchMeta] | None = None,
-        reuse: Callable[[int], KVBatchMeta | None] | None = None,
+        produce: Callable[[GenerationBackend, int], KVBatchMeta],
+        reuse: Callable[[int], KVBatchMeta | None],
     ) -> None:
         self.max_age = cfg.grpo.max_trajectory_age_steps
         self.start_step = run.start_step
         self.max_num_steps = cfg.grpo.max_num_steps
         self.buffer = ReplayBuffer(self.max_age)
         self._generator = generator
-        self._produce = produce or (lambda gen, step: generate_batch(cfg, run, gen, step))
-        self._reuse = reuse or (lambda step: buffered_batch(cfg, run, step))
+        self._produce = produce
+        self._reuse = reuse
         self._cond = threading.Condition()
         self._versions: dict[int, tuple[PolicyVersion, dict[str, torch.Tensor] | None]] = {
             run.start_step: (PolicyVersion(step=run.start_step, path=run.start_policy_path), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dataplane.urls import redact
 from rl.backends.interfaces import PolicyVersion
 
 __all__ = ["PolicyVersion", "RunInfo", "RunSummary"]
@@ -50,8 +51,6 @@ class RunSummary:
         """``RunSummary(run_id=..., final_step=4, validation_accuracy=0.562, mlflow_run_id=..., last_checkpoint=...)``:
         the line ``pyflyte run`` prints at the end. The metrics are left out (they are in MLflow and ``.metrics``);
         ``validation_accuracy=none``: the run never validated (the field holds -1.0)."""
-        from dataplane.urls import redact
-
         accuracy = "none" if self.validation_accuracy < 0 else f"{self.validation_accuracy:.3f}"
         return (
             f"RunSummary(run_id={self.run_id!r}, final_step={self.final_step}, validation_accuracy={accuracy}, "

@@ -6,6 +6,9 @@ import time
 
 from flytekit import task
 
+from dataplane import fields as F
+from rl.data import val_problems
+from tasks import runtime, tracking
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.run_config import RunConfig
@@ -17,7 +20,6 @@ from tasks.types import PolicyVersion, RunInfo
 def validate(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> float:
     """Accuracy (share of reward 1) of the policy at ``policy.step`` on ``data.num_val_problems`` questions
     of the validation split; logs ``validation/accuracy``, ``validation/avg_length`` and a sample table."""
-    from tasks import runtime
 
     since = runtime.begin_task()
     return greedy_accuracy(cfg, run, policy, since=since, kind="validation", task="validate")
@@ -39,10 +41,7 @@ def greedy_accuracy(
     """
     import torch
 
-    from dataplane import fields as F
-    from rl.data import val_problems
     from rl.rollout import ROLLOUT_DTYPES, generate_groups, to_columns
-    from tasks import runtime, tracking
 
     started = time.time()
     runtime.set_threads()
@@ -65,7 +64,7 @@ def greedy_accuracy(
     columns = to_columns(groups, torch.ones(len(problems), dtype=torch.bool), group_size=1, weight_version=policy.step)
     dp = runtime.dataplane(cfg, run)
     partition = f"{kind}_{policy.step:06d}"
-    dp.register_partition(partition, fields=ROLLOUT_DTYPES, consumers=[kind])
+    dp.register_partition(partition, fields=ROLLOUT_DTYPES)
     meta = dp.put(partition, columns, group_size=1, task_name=kind, id_key=kind)
     rows = dp.read(meta, [F.PROMPT_TEXT, F.RESPONSE_TEXT, F.ANSWER_TEXT, F.REWARDS, F.TOKEN_MASK], layout="jagged")
     dp.clear(partition)

@@ -96,9 +96,11 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_source=real_model_dir)
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    """A real `mlflow server` on loopback (sqlite backend, local artifacts); yields its URL."""
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on loopback (sqlite backend, local artifacts); yields its URL. One per session (it takes
+    seconds to start): tests that share it log to runs of their own."""
+    tmp_path = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [

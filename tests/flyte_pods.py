@@ -204,10 +204,16 @@ class Pods:
                 recoverable = doc.error.kind == errors_pb2.ContainerError.RECOVERABLE
                 if recoverable and attempt < retries:
                     continue
-                msg = f"task {template.id.name} (node {node_id}, attempt {attempt}) failed: {doc.error.message}\n--- log ---\n{log[-4000:]}"
+                msg = (
+                    f"task {template.id.name} (node {node_id}, attempt {attempt}) failed: {doc.error.message}\n"
+                    f"--- log ---\n{log[-4000:]}"
+                )
                 raise RuntimeError(msg)
             if proc.returncode != 0:
-                msg = f"task {template.id.name} (node {node_id}) exited {proc.returncode} without an error document\n{log[-4000:]}"
+                msg = (
+                    f"task {template.id.name} (node {node_id}) exited {proc.returncode} without an error document\n"
+                    f"{log[-4000:]}"
+                )
                 raise RuntimeError(msg)
             if (out_dir / "futures.pb").exists():  # a @dynamic: run the nodes it compiled
                 pb = dynamic_job_pb2.DynamicJobSpec()

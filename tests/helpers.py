@@ -110,6 +110,13 @@ def put_config_on_s3(s3_server: str, monkeypatch: object, key: str, body: bytes)
     return f"s3://grpoflow/{key}"
 
 
+def earnable_reward(problem, response: str, dataset, dataset_kwargs, seed) -> float:
+    """A reward a tiny random model earns, in place of ``rl.rollout.score``: 1 for a response of an even number of
+    characters, else 0. Its groups mix both, so the advantages are not zero and every update moves the policy (the
+    dataset's own reward is always 0 for it: only the KL term and weight decay would move it, by ~1e-5)."""
+    return float(len(response) % 2 == 0)
+
+
 def metric_steps(uri: str, run_id: str, key: str) -> list[int]:
     from mlflow.tracking import MlflowClient
 

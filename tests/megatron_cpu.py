@@ -1,5 +1,5 @@
-"""Test-only: run megatron-core 0.16.1's GPT model and pipeline schedules on a CPU-only torch, so that CI (no GPU) checks the
-megatron back-end's maths against the transformers back-end. Nothing here changes what is computed; it moves
+"""Test-only: run megatron-core 0.16.1's GPT model and pipeline schedules on a CPU-only torch, so that CI (no GPU)
+checks the megatron back-end's maths against the transformers back-end. Nothing here changes what is computed; it moves
 megatron-core's hard-coded CUDA placements to the CPU:
 
 - attention forks the CUDA RNG tracker for its dropout (0 here): the inference tracker, whose fork does nothing;
@@ -7,7 +7,7 @@ megatron-core's hard-coded CUDA placements to the CPU:
   all-reduce between the first and last pipeline stage moves the weight with ``.cuda()``: both stay on the CPU;
 - the default causal mask, the schedules' token counter, the gradient norm's buffers and the pipeline's
   ``torch.cuda.synchronize`` are made with ``device="cuda"``: made on the CPU, the synchronize skipped;
-- the back-end's own refusal to run without CUDA (``rl.backends.registry``) and its device (``MegatronPolicy._device``).
+- the back-end's own refusal to run without CUDA (``rl.backends.registry``) and its device (``MegatronPolicy.device``).
 
 The GPU tests (``tests/gpu/test_megatron.py``) run the same back-end on CUDA without any of this.
 """
@@ -44,7 +44,8 @@ def _torch_on_cpu() -> types.ModuleType:
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Inside this block megatron-core's GPT model, its schedules and the ``megatron`` policy back-end run on the CPU."""
+    """Inside this block megatron-core's GPT model, its schedules and the ``megatron`` policy back-end run on the
+    CPU."""
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.pipeline_parallel.schedules as schedules
@@ -64,7 +65,7 @@ def megatron_on_cpu() -> Iterator[None]:
             (schedules, "torch", proxy),
             (clip_grads, "torch", proxy),
             (mcore_utils, "torch", proxy),
-            (MegatronPolicy, "_device", property(lambda self: torch.device("cpu"))),
+            (MegatronPolicy, "device", property(lambda self: torch.device("cpu"))),
             (MegatronPolicy, "_check_installed", lambda self: None),
         ]:
             stack.enter_context(mock.patch.object(target, name, value))

@@ -8,6 +8,7 @@ data plane, tasks pass handles.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from flytekit import dynamic, task, workflow
 
 from dataplane.meta import KVBatchMeta
 from rl.async_grpo import generation_version
+from tasks import saving, tracking
 from tasks.advantages import advantages
 from tasks.config_file import load_config_file
 from tasks.failure import run_failed, run_failed_from_file
@@ -25,7 +27,7 @@ from tasks.retry import transient_errors_retried
 from tasks.rollout import rollout
 from tasks.run_config import RunConfig
 from tasks.setup import start_run
-from tasks.train import train
+from tasks.train import DONE_METRIC, train
 from tasks.types import PolicyVersion, RunInfo, RunSummary
 from tasks.validate import validate
 
@@ -40,18 +42,28 @@ def grpo_step(
 ) -> PolicyVersion:
     """One GRPO step: the policy after ``step - 1`` updates -> the policy after ``step``, trained on completions
     sampled from ``behaviour``: ``policy`` itself when synchronous, an older policy when async. ``node(task)`` is how
-    a task is called: a placed node of the DAG (the default), or its Python body inside :func:`grpo_steps`."""
+    a task is called: a placed node of the DAG (the default), or its Python body inside :func:`grpo_steps`. The same
+    step as plain calls in one process, without Flyte: :func:`rl.step.grpo_step`."""
     node = node or _nodes(cfg, f"step-{step}")
     # 1 rollout: G completions per prompt by the behaviour policy, scored, first put of the step partition
-    batch: KVBatchMeta = node(rollout)(cfg=cfg, run=run, policy=behaviour, step=step)
+    rollout_meta: KVBatchMeta = node(rollout)(cfg=cfg, run=run, policy=behaviour, step=step)
     # 2 policy logprobs (only off-policy: on-policy, pi_old is the training forward itself) and
     # 3 reference-policy logprobs: independent delta writes
-    prev = batch if cfg.on_policy else node(policy_logprobs)(cfg=cfg, run=run, policy=policy, meta=batch)
-    ref = node(reference_logprobs)(cfg=cfg, run=run, meta=batch)
+    with_prev_logprobs = (
+        rollout_meta if cfg.on_policy else node(policy_logprobs)(cfg=cfg, run=run, policy=policy, meta=rollout_meta)
+    )
+    with_reference_logprobs = node(reference_logprobs)(cfg=cfg, run=run, meta=rollout_meta)
     # 4 advantages from the group rewards
-    adv = node(advantages)(cfg=cfg, run=run, meta=batch)
+    with_advantages = node(advantages)(cfg=cfg, run=run, meta=rollout_meta)
     # 5 update: clipped PG + KL, next weights, metrics, clear the partition
-    return node(train)(cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
+    return node(train)(
+        cfg=cfg,
+        run=run,
+        policy=policy,
+        with_advantages=with_advantages,
+        with_prev_logprobs=with_prev_logprobs,
+        with_reference_logprobs=with_reference_logprobs,
+    )
 
 
 def _nodes(cfg: RunConfig, prefix: str) -> Callable[[Any], Callable[..., Any]]:
@@ -112,7 +124,6 @@ def grpo_steps(
         the policy after ``last``, and the validation accuracy of the last validation up to ``last`` (``accuracy``,
         the one before ``first``, when none was due).
     """
-    import dataclasses
 
     done = _finished_steps(cfg, run, first, last)
     if done is not None:
@@ -137,8 +148,6 @@ def _finished_steps(
     the trainer state, its metrics logged), that policy, and the newest validation accuracy logged up to it (None:
     none in the range); None when no step qualifies."""
     from rl import checkpoint
-    from tasks import saving, tracking
-    from tasks.train import DONE_METRIC
 
     for step in range(last, first - 1, -1):
         saved = saving.saved_version(cfg, run, step)

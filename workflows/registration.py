@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import importlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tasks.types import RunInfo
 
 MODULES = ("workflows.grpo", "workflows.evaluate", "workflows.launch_plans")
 """Every module that declares Flyte entities (tasks are found through the workflows that use them)."""
@@ -53,7 +57,6 @@ def serialize(ss: Any) -> list[Any]:
     Raises:
         whatever flytekit raises for an entity that does not serialize (an unknown type, a bad binding, ...).
     """
-    import importlib
 
     from flytekit.core.context_manager import FlyteContextManager, FlyteEntities
     from flytekit.tools.serialize_helpers import get_registrable_entities
@@ -75,7 +78,6 @@ def serialize(ss: Any) -> list[Any]:
 def _declared_here(entity: Any) -> bool:
     """An entity declared at module level in ``tasks``/``workflows`` or ``MODULES`` (not one a test declares, nor the
     step loop's workflow that a run in this process compiled and flytekit keeps among its entities)."""
-    import sys
 
     from flytekit.core.launch_plan import LaunchPlan
 
@@ -96,7 +98,6 @@ def step_loop_nodes(cfg: Any, ss: Any) -> Any:
     """
     from flytekit.core.context_manager import FlyteContextManager
 
-    from tasks.types import RunInfo
     from workflows.grpo import training_loop
 
     run = RunInfo(
@@ -115,7 +116,6 @@ def step_loop_nodes(cfg: Any, ss: Any) -> Any:
 def checked_steps(cfg: Any) -> Any:
     """``cfg`` with at most enough steps to reach its first validation (and 2 at least): every step compiles to the
     same nodes, and flytekit spends ~0.4 s per node (it rebuilds the config's JSON schema for each)."""
-    import dataclasses
 
     g = cfg.grpo
     steps = min(g.max_num_steps, max(2, g.val_period))

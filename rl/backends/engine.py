@@ -1,7 +1,7 @@
 """The GRPO update, written once for every policy back-end (verl's ``workers/engine`` split).
 
-`train_on_batch` owns the loop: a step's batch into optimizer updates, each update into micro-batches
-(`micro_batch_slices`: consecutive rows under a row cap and a padded-token budget), the global token and sequence
+`TrainEngine.train_batch` owns the loop: a step's batch into optimizer updates, each update into micro-batches
+(`rl.backends.micro_batch`: consecutive rows under a row cap and a padded-token budget), the global token and sequence
 counts reduced over the data-parallel ranks, the shared loss of each micro-batch (`micro_batch_loss`, `rl.loss`),
 metric sums kept on the device, gradient clipping, the AdamW step (`make_optimizer`) and one device -> host copy of
 the step's metrics. A back-end (:class:`TrainEngine`) supplies only what differs: the forward and backward of a list of
@@ -23,7 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.deterministic as det
 
+from dataplane import fields as F
+from dataplane.fields import LOSS_FIELDS  # noqa: F401 (re-exported: the fields the loss reads)
+from rl import distributed
+from rl.backends.micro_batch import micro_batch_limits, micro_batch_slices
 from rl.config import GRPOConfig
 from rl.filters import seq_mult_prob_error
 from rl.loss import (
@@ -34,20 +39,6 @@ from rl.loss import (
     loss_mask,
     per_sequence_metrics,
 )
-
-LOSS_FIELDS = (
-    "prev_logprobs",
-    "reference_policy_logprobs",
-    "generation_logprobs",
-    "advantages",
-    "token_mask",
-    "sample_mask",
-)
-"""The per-row and per-token fields the loss reads (the forward reads ``input_ids`` and ``input_lengths``)."""
-
-CPU_MICRO_BATCH_ROWS = 32
-"""Rows per micro-batch on the CPU when ``optim.train_micro_batch_size`` / ``logprob_batch_size`` are null: 32
-rollouts of SmolLM2 per pass trained ~1.5x faster than 8 (``bench/micro_batch.py``)."""
 
 
 # --------------------------------------------------------------------------------------------------- the optimizer
@@ -72,112 +63,6 @@ def make_optimizer(params: Any, cfg: GRPOConfig) -> tuple[torch.optim.Optimizer,
         return 1.0 if warm == 0 or step >= warm else 0.1 + 0.9 * step / warm
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
-# ------------------------------------------------------------------------------------------------- micro-batches
-def micro_batch_slices(lengths: torch.Tensor, *, max_rows: int | None, max_tokens: int | None) -> list[slice]:
-    """Consecutive rows as micro-batches: each as many rows as fit under ``max_rows`` and under ``max_tokens`` padded
-    tokens (rows x the longest row among them), at least one row each (a row longer than the budget goes alone).
-
-    Rows stay in order, so a rollout's groups stay together and share their prompt's forward; the loss is normalized
-    by the whole update's token and sequence counts, so the split changes the update only by the order of float sums.
-
-    Args:
-        lengths: [n] int64 unpadded row lengths, on the host.
-        max_rows: most rows per micro-batch (None: no cap).
-        max_tokens: most padded tokens per micro-batch (None: no budget).
-
-    Returns:
-        slices covering ``0..n`` in order (empty for n = 0).
-    """
-    n = int(lengths.shape[0])
-    if max_tokens is None:
-        step = max(max_rows or n, 1)
-        return [slice(a, min(a + step, n)) for a in range(0, n, step)]
-    out, start, longest = [], 0, 0
-    for i, length in enumerate(lengths.tolist()):
-        wider = max(longest, int(length))
-        rows = i - start + 1
-        if i > start and (wider * rows > max_tokens or (max_rows is not None and rows > max_rows)):
-            out.append(slice(start, i))
-            start, wider = i, int(length)
-        longest = wider
-    if n:
-        out.append(slice(start, n))
-    return out
-
-
-def activation_bytes_per_token(model_config: Any, *, train: bool) -> int:
-    """Device memory one token of a micro-batch takes, bytes, from a Hugging Face config (an estimate, on the safe
-    side: 2.7 MB at the 1B shape, where ``bench/megatron.py``'s peak-memory column measured 2.0 MB on an H200 for the
-    transformers back-end): under bf16 autocast the backward keeps ~(16 H + 4 I)
-    bf16 values per layer and token (inputs of the norms, projections, attention and the MLP), the LM head a float32
-    [V] row of logits and its log-softmax per wanted token (and its gradient when training); a forward without
-    gradients keeps one layer's worth."""
-    h, i = int(model_config.hidden_size), int(getattr(model_config, "intermediate_size", 4 * model_config.hidden_size))
-    layers, vocab = int(model_config.num_hidden_layers), int(model_config.vocab_size)
-    per_layer = 2 * (16 * h + 4 * i)
-    return (layers if train else 2) * per_layer + (12 if train else 8) * vocab
-
-
-_BUDGETS: dict[tuple, int] = {}
-"""Token budgets resolved in this process, per (device, train, model shape): a run's micro-batches do not change with
-the memory free at each step."""
-
-
-def default_max_tokens(
-    model_config: Any, device: torch.device | str, *, train: bool, fraction: float = 0.5
-) -> int | None:
-    """The padded-token budget of a micro-batch when the config leaves it null: None on the CPU (row counts decide,
-    ``CPU_MICRO_BATCH_ROWS``); on CUDA ``fraction`` of the device memory free at the first call in this process, less
-    the gradients and AdamW moments a training model will hold (12 bytes per parameter, in case they are not allocated
-    yet), over :func:`activation_bytes_per_token`; rounded down to a multiple of 1,024 and kept within 2,048..65,536.
-    Resolved once per process, device and model shape."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    shape = tuple(
-        int(getattr(model_config, k, 0) or 0)
-        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
-    )
-    key = (str(device), train, shape)
-    if key not in _BUDGETS:
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's own spare
-        if train:
-            free -= 12 * parameter_count(model_config)
-        tokens = int(fraction * max(free, 0) / activation_bytes_per_token(model_config, train=train)) // 1024 * 1024
-        _BUDGETS[key] = max(2048, min(tokens, 65536))
-    return _BUDGETS[key]
-
-
-def parameter_count(model_config: Any) -> int:
-    """Parameters of a Llama-shaped decoder from its Hugging Face config (embeddings counted once when tied)."""
-    h, i = int(model_config.hidden_size), int(getattr(model_config, "intermediate_size", 4 * model_config.hidden_size))
-    heads = int(getattr(model_config, "num_attention_heads", 1))
-    head_dim = int(getattr(model_config, "head_dim", None) or h // heads)
-    kv = int(getattr(model_config, "num_key_value_heads", None) or heads)
-    layer = h * head_dim * (2 * heads + 2 * kv) + 3 * h * i + 2 * h
-    vocab = int(model_config.vocab_size) * h * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
-    return int(model_config.num_hidden_layers) * layer + vocab + h
-
-
-def micro_batch_limits(
-    cfg: GRPOConfig, model_config: Any, device: torch.device | str, *, train: bool
-) -> tuple[int | None, int | None]:
-    """``(max_rows, max_tokens)`` of a micro-batch for training (``train``) or a logprob pass: the config's
-    ``optim.train_micro_batch_size`` / ``train_max_tokens_per_micro_batch`` (``logprob_batch_size`` /
-    ``logprob_max_tokens_per_micro_batch``), a null resolved from the device: on the CPU 32 rows and no token
-    budget; on CUDA no row cap and :func:`default_max_tokens`."""
-    o = cfg.optim
-    rows, tokens = (
-        (o.train_micro_batch_size, o.train_max_tokens_per_micro_batch)
-        if train
-        else (o.logprob_batch_size, o.logprob_max_tokens_per_micro_batch)
-    )
-    if torch.device(device).type == "cpu":
-        return (CPU_MICRO_BATCH_ROWS if rows is None and tokens is None else rows), tokens
-    return rows, tokens if tokens is not None else default_max_tokens(model_config, device, train=train)
 
 
 # ---------------------------------------------------------------------------------------------------- the loss
@@ -217,15 +102,15 @@ def micro_batch_loss(
             ``prev_logprobs`` [m, S] (absent: pi_old is the detached current forward, one on-policy update).
         global_toks, global_seqs: the whole update's valid tokens and sequences, over every rank (>= 1).
     """
-    prev = fields["prev_logprobs"] if "prev_logprobs" in fields else logprobs.detach()
+    prev = fields[F.PREV_LOGPROBS] if F.PREV_LOGPROBS in fields else logprobs.detach()
     inputs = LossInputs(
         logprobs=logprobs,
         prev_logprobs=prev,
-        reference_policy_logprobs=fields["reference_policy_logprobs"],
-        generation_logprobs=fields["generation_logprobs"],
-        advantages=fields["advantages"],
-        token_mask=fields["token_mask"],
-        sample_mask=fields["sample_mask"],
+        reference_policy_logprobs=fields[F.REFERENCE_POLICY_LOGPROBS],
+        generation_logprobs=fields[F.GENERATION_LOGPROBS],
+        advantages=fields[F.ADVANTAGES],
+        token_mask=fields[F.TOKEN_MASK],
+        sample_mask=fields[F.SAMPLE_MASK],
     )
     loss, sums = clipped_pg_loss_with(
         inputs,
@@ -234,7 +119,7 @@ def micro_batch_loss(
         global_valid_seqs=global_seqs,
         max_response_tokens=cfg.generation.max_new_tokens,
     )
-    errors = seq_mult_prob_error(fields["generation_logprobs"], prev, fields["token_mask"])  # [m]
+    errors = seq_mult_prob_error(fields[F.GENERATION_LOGPROBS], prev, fields[F.TOKEN_MASK])  # [m]
     return MicroBatchLoss(loss=loss, sums={k: v.detach() for k, v in sums.items()}, errors=errors.detach())
 
 
@@ -260,9 +145,10 @@ class TrainEngine(abc.ABC):
         (0-dim float, on the device or the host)."""
 
     def micro_batches(self, rows: Any, cfg: GRPOConfig) -> list[slice]:
-        """The update's micro-batches (:func:`micro_batch_slices` with :func:`micro_batch_limits`)."""
+        """The update's micro-batches (`rl.backends.micro_batch`: ``micro_batch_slices`` with
+        ``micro_batch_limits``)."""
         max_rows, max_tokens = self.limits(cfg)
-        return micro_batch_slices(rows["input_lengths"], max_rows=max_rows, max_tokens=max_tokens)
+        return micro_batch_slices(rows[F.INPUT_LENGTHS], max_rows=max_rows, max_tokens=max_tokens)
 
     def limits(self, cfg: GRPOConfig) -> tuple[int | None, int | None]:
         return micro_batch_limits(cfg, self.model_config, self.device, train=True)
@@ -292,13 +178,108 @@ class TrainEngine(abc.ABC):
     def train_mode(self, on: bool) -> None:
         """Switch the model(s) to training (``on``) or evaluation mode."""
 
+    def train_batch(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LambdaLR,
+        batch: Mapping[str, torch.Tensor],
+        cfg: GRPOConfig,
+        *,
+        update_sizes: Sequence[int] | None = None,
+    ) -> dict[str, float]:
+        """Train on one step's batch: one optimizer update per entry of ``update_sizes``, each accumulated over the
+        engine's micro-batches; under data parallelism (``rl.distributed``) on this rank's shard. The template method
+        of every back-end's update (verl's ``BaseEngine.train_batch``): a back-end overrides the steps it calls.
+
+        Each update's loss is normalized by the token and sequence counts of the whole global update, summed over the
+        ranks (``rl.loss.clipped_pg_loss``; verl's ``agg_loss`` with ``dp_size``), and the ranks' gradients are summed
+        (:meth:`finish_gradients`) before clipping: N ranks make the update one rank makes on the concatenated shards,
+        up to the order of float sums.
+
+        Args:
+            batch: padded host tensors (n rows, width S), a ``tensordict.TensorDict`` with ``batch_size=[n]`` (a plain
+                mapping is wrapped): ``input_ids`` [n, S] int64, ``input_lengths`` [n] int64, ``generation_logprobs``,
+                ``prev_logprobs``, ``reference_policy_logprobs``, ``advantages`` [n, S] float32, ``token_mask`` [n, S]
+                bool, ``sample_mask`` [n] bool. Without ``prev_logprobs`` the step must make one update (on-policy) and
+                pi_old is the detached current forward.
+            update_sizes: consecutive rows of ``batch`` per update (this rank's part of each global update, possibly
+                0); None: ``optim.train_global_batch_size`` rows per update.
+
+        Returns:
+            metrics over the whole step, the same on every rank: ``loss`` (mean over updates of the globally
+            normalized loss), ``grad_norm``, per-token means such as ``probs_ratio``, ``global_valid_toks``, ...
+
+        Raises:
+            ValueError: ``update_sizes`` do not add up to the batch's rows, or several updates without
+                ``prev_logprobs``.
+        """
+
+        td, update_sizes = step_batch(batch, cfg, update_sizes)
+        device = self.device
+        totals: dict[str, torch.Tensor] = {}  # metric sums, float64 on the device: read once, after the last update
+        losses, norms, seq_errors = [], [], []  # per update / per micro-batch, on the device
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+        responding = td[F.TOKEN_MASK].bool().any(1)  # [n] host: a sample without response tokens has no sequence error
+        counted = (
+            torch.stack([torch.as_tensor(batch[F.SAMPLE_MASK]).bool(), td[F.SAMPLE_MASK].bool()]) & responding
+        )  # [2, n]: before, after the error mask
+        starts = [sum(update_sizes[:u]) for u in range(len(update_sizes))]
+        with update_settings(cfg, device):
+            self.train_mode(True)
+            for start, rows in zip(starts, td.split(list(update_sizes))):
+                mask = loss_mask(rows[F.TOKEN_MASK], rows[F.SAMPLE_MASK])  # host: the counts need no device sync
+                counts = distributed.all_reduce(
+                    torch.stack([mask.sum().double(), rows[F.SAMPLE_MASK].double().sum()]), group=self.count_group()
+                )  # [2]
+                global_toks, global_seqs = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
+
+                def loss_fn(
+                    logprobs: torch.Tensor,
+                    fields: Mapping[str, torch.Tensor],
+                    toks: float = global_toks,
+                    seqs: float = global_seqs,
+                ) -> MicroBatchLoss:
+                    return micro_batch_loss(logprobs, fields, cfg, global_toks=toks, global_seqs=seqs)
+
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = torch.zeros((), dtype=torch.float64, device=device)
+                if rows.batch_size[0]:
+                    with self.compute():  # autocast: weights are cast to bf16 once per update, not per micro-batch
+                        for where, out in self.forward_backward(rows, self.micro_batches(rows, cfg), loss_fn):
+                            seq_errors.append(
+                                (out.errors, counted[:, start + where.start : start + where.stop])
+                            )  # the masks stay on the host
+                            step_loss = step_loss + out.loss.detach().double()
+                            accumulate_on_device(totals, out.sums)
+                norms.append(self.finish_gradients(max_norm))
+                optimizer.step()
+                scheduler.step()
+                losses.append(step_loss)
+            self.train_mode(False)
+        optimizer.zero_grad(set_to_none=True)
+        sums, losses_, norms_, errors = read_step(
+            totals, losses, norms, seq_errors, device
+        )  # the step's one device -> host copy
+        masked = int(
+            (torch.as_tensor(batch[F.SAMPLE_MASK]).bool() & ~td[F.SAMPLE_MASK].bool()).sum()
+        )  # by the error threshold
+        if not self.reports_rows():
+            errors, masked = (errors[0][:0], errors[1][:0]), 0
+        local = (sums, losses_, errors, masked) if self.reports() else None
+        parts = [p for p in distributed.gather_objects(local) if p is not None]
+        metrics = combine_step_metrics(
+            parts, masking=cfg.loss.seq_logprob_error_threshold is not None, per_sequence=per_sequence_metrics(cfg.loss)
+        )
+        metrics.update(grad_norm=sum(norms_) / len(norms_), lr=float(scheduler.get_last_lr()[0]))
+        return metrics
+
 
 # -------------------------------------------------------------------------------------------------- the settings
 def resolve_deterministic(cfg: GRPOConfig, device: torch.device | str) -> bool:
     """``optim.deterministic``, a null resolved from the device: True on the CPU (measured free there,
     ``bench/reproducible_update.py``), False on CUDA (see ``docs/gpu.md``)."""
-    det = cfg.optim.deterministic
-    return torch.device(device).type == "cpu" if det is None else bool(det)
+    setting = cfg.optim.deterministic
+    return torch.device(device).type == "cpu" if setting is None else bool(setting)
 
 
 @contextlib.contextmanager
@@ -316,7 +297,6 @@ def update_settings(cfg: GRPOConfig, device: torch.device | str) -> Iterator[Non
     TF32 (``model.tf32``, CUDA only, and not in deterministic mode): float32 matmuls and convolutions on TF32 tensor
     cores (``torch.backends.cuda.matmul.allow_tf32``), 10-bit mantissa inputs with float32 accumulation.
     """
-    import torch.utils.deterministic as det
 
     deterministic = resolve_deterministic(cfg, device)
     cuda = torch.device(device).type == "cuda"
@@ -355,7 +335,7 @@ def step_batch(
     """
     from tensordict import TensorDict
 
-    td = batch if isinstance(batch, TensorDict) else TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]])
+    td = batch if isinstance(batch, TensorDict) else TensorDict(dict(batch), batch_size=[batch[F.INPUT_IDS].shape[0]])
     td = td.clone(recurse=False)  # sample_mask may be replaced below: not in the caller's batch
     n = int(td.batch_size[0])
     if update_sizes is None:
@@ -364,109 +344,14 @@ def step_batch(
     if sum(update_sizes) != n:
         msg = f"update_sizes {list(update_sizes)} add up to {sum(update_sizes)} rows, but the batch has {n}"
         raise ValueError(msg)
-    if "prev_logprobs" not in td.keys() and len(update_sizes) != 1:
+    if F.PREV_LOGPROBS not in td.keys() and len(update_sizes) != 1:
         msg = "prev_logprobs are missing but the step makes several optimizer updates; compute them (policy_logprobs)"
         raise ValueError(msg)
     threshold = cfg.loss.seq_logprob_error_threshold
     if threshold is not None:  # mask sequences whose generation logprobs disagree with pi_old (NeMo-RL grpo_sync)
-        err = seq_mult_prob_error(td["generation_logprobs"], td["prev_logprobs"], td["token_mask"])  # [n]
-        td["sample_mask"] = td["sample_mask"].bool() & (err <= threshold)
+        err = seq_mult_prob_error(td[F.GENERATION_LOGPROBS], td[F.PREV_LOGPROBS], td[F.TOKEN_MASK])  # [n]
+        td[F.SAMPLE_MASK] = td[F.SAMPLE_MASK].bool() & (err <= threshold)
     return td, list(update_sizes)
-
-
-def train_on_batch(
-    engine: TrainEngine,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
-    batch: Mapping[str, torch.Tensor],
-    cfg: GRPOConfig,
-    *,
-    update_sizes: Sequence[int] | None = None,
-) -> dict[str, float]:
-    """Train on one step's batch: one optimizer update per entry of ``update_sizes``, each accumulated over the
-    engine's micro-batches; under data parallelism (``rl.distributed``) on this rank's shard.
-
-    Each update's loss is normalized by the token and sequence counts of the whole global update, summed over the
-    ranks (``rl.loss.clipped_pg_loss``; verl's ``agg_loss`` with ``dp_size``), and the ranks' gradients are summed
-    (:meth:`TrainEngine.finish_gradients`) before clipping: N ranks make the update one rank makes on the
-    concatenated shards, up to the order of float sums.
-
-    Args:
-        batch: padded host tensors (n rows, width S), a ``tensordict.TensorDict`` with ``batch_size=[n]`` (a plain
-            mapping is wrapped): ``input_ids`` [n, S] int64, ``input_lengths`` [n] int64, ``generation_logprobs``,
-            ``prev_logprobs``, ``reference_policy_logprobs``, ``advantages`` [n, S] float32, ``token_mask`` [n, S]
-            bool, ``sample_mask`` [n] bool. Without ``prev_logprobs`` the step must make one update (on-policy) and
-            pi_old is the detached current forward.
-        update_sizes: consecutive rows of ``batch`` per update (this rank's part of each global update, possibly
-            0); None: ``optim.train_global_batch_size`` rows per update.
-
-    Returns:
-        metrics over the whole step, the same on every rank: ``loss`` (mean over updates of the globally
-        normalized loss), ``grad_norm``, per-token means such as ``probs_ratio``, ``global_valid_toks``, ...
-
-    Raises:
-        ValueError: ``update_sizes`` do not add up to the batch's rows, or several updates without ``prev_logprobs``.
-    """
-    from rl import distributed
-
-    td, update_sizes = step_batch(batch, cfg, update_sizes)
-    device = engine.device
-    totals: dict[str, torch.Tensor] = {}  # metric sums, float64 on the device: read once, after the last update
-    losses, norms, seq_errors = [], [], []  # per update / per micro-batch, on the device
-    max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-    responding = td["token_mask"].bool().any(1)  # [n] host: a sample without response tokens has no sequence error
-    counted = (
-        torch.stack([torch.as_tensor(batch["sample_mask"]).bool(), td["sample_mask"].bool()]) & responding
-    )  # [2, n]: before, after the error mask
-    starts = [sum(update_sizes[:u]) for u in range(len(update_sizes))]
-    with update_settings(cfg, device):
-        engine.train_mode(True)
-        for start, rows in zip(starts, td.split(list(update_sizes))):
-            mask = loss_mask(rows["token_mask"], rows["sample_mask"])  # host: the counts need no device sync
-            counts = distributed.all_reduce(
-                torch.stack([mask.sum().double(), rows["sample_mask"].double().sum()]), group=engine.count_group()
-            )  # [2]
-            global_toks, global_seqs = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
-
-            def loss_fn(
-                logprobs: torch.Tensor,
-                fields: Mapping[str, torch.Tensor],
-                toks: float = global_toks,
-                seqs: float = global_seqs,
-            ) -> MicroBatchLoss:
-                return micro_batch_loss(logprobs, fields, cfg, global_toks=toks, global_seqs=seqs)
-
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), dtype=torch.float64, device=device)
-            if rows.batch_size[0]:
-                with engine.compute():  # autocast: weights are cast to bf16 once per update, not per micro-batch
-                    for where, out in engine.forward_backward(rows, engine.micro_batches(rows, cfg), loss_fn):
-                        seq_errors.append(
-                            (out.errors, counted[:, start + where.start : start + where.stop])
-                        )  # the masks stay on the host
-                        step_loss = step_loss + out.loss.detach().double()
-                        accumulate_on_device(totals, out.sums)
-            norms.append(engine.finish_gradients(max_norm))
-            optimizer.step()
-            scheduler.step()
-            losses.append(step_loss)
-        engine.train_mode(False)
-    optimizer.zero_grad(set_to_none=True)
-    sums, losses_, norms_, errors = read_step(
-        totals, losses, norms, seq_errors, device
-    )  # the step's one device -> host copy
-    masked = int(
-        (torch.as_tensor(batch["sample_mask"]).bool() & ~td["sample_mask"].bool()).sum()
-    )  # by the error threshold
-    if not engine.reports_rows():
-        errors, masked = (errors[0][:0], errors[1][:0]), 0
-    local = (sums, losses_, errors, masked) if engine.reports() else None
-    parts = [p for p in distributed.gather_objects(local) if p is not None]
-    metrics = combine_step_metrics(
-        parts, masking=cfg.loss.seq_logprob_error_threshold is not None, per_sequence=per_sequence_metrics(cfg.loss)
-    )
-    metrics.update(grad_norm=sum(norms_) / len(norms_), lr=float(scheduler.get_last_lr()[0]))
-    return metrics
 
 
 def read_step(

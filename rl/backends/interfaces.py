@@ -1,22 +1,19 @@
 """The two back-end interfaces: generation (rollouts) and policy (logprobs, training, checkpoints).
 
-Tensors in, tensors out; no Flyte. Mirrors NeMo-RL's ``GenerationInterface`` / ``PolicyInterface`` and the
-``*_from_meta`` entry points of its ``TQPolicy`` (``reference/seeds/policy_interfaces.txt``, ``tq_policy.txt``).
+Tensors in, tensors out; no Flyte, no data plane. Mirrors NeMo-RL's ``GenerationInterface`` / ``PolicyInterface``
+(``reference/seeds/policy_interfaces.txt``); the data-plane entry points of its ``TQPolicy`` are
+:class:`rl.backends.dataplane_policy.DataPlanePolicy`.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where it is used: tasks import this module for PolicyVersion
     import torch
-
-    from dataplane.client import DataPlane
-    from dataplane.meta import KVBatchMeta
 
 
 @dataclass
@@ -263,82 +260,3 @@ class PolicyBackend(abc.ABC):
     def prepare_checkpoint(self, *, with_trainer_state: bool) -> None:
         """Collective, called by every rank after :meth:`train` and before rank 0 calls :meth:`save_checkpoint` or
         :meth:`named_weights`: bring what those need onto rank 0. Nothing to do where rank 0 holds the whole model."""
-
-    # ------------------------------------------------------------ the data-plane entry points (tq_policy)
-    def get_logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane) -> KVBatchMeta:
-        """Read ``LP_SEED_FIELDS`` of ``meta``, write ``prev_logprobs`` back as a delta column; returns the new meta."""
-        from dataplane import fields as F
-
-        return self._logprobs_from_meta(meta, dataplane, self.get_logprobs, F.PREV_LOGPROBS, "prev_lp")
-
-    def get_reference_policy_logprobs_from_meta(self, meta: KVBatchMeta, dataplane: DataPlane) -> KVBatchMeta:
-        """Read ``LP_SEED_FIELDS`` of ``meta``, write ``reference_policy_logprobs`` back; returns the new meta."""
-        from dataplane import fields as F
-
-        return self._logprobs_from_meta(
-            meta, dataplane, self.get_reference_policy_logprobs, F.REFERENCE_POLICY_LOGPROBS, "ref_lp"
-        )
-
-    def train_from_meta(
-        self, meta: KVBatchMeta, dataplane: DataPlane, *, fields: Iterable[str], rows_per_update: int | None = None
-    ) -> dict[str, float]:
-        """Read this rank's shard of ``fields`` (``DP_TRAIN_FIELDS``, less ``prev_logprobs`` on-policy) of ``meta``
-        and :meth:`train` on it.
-
-        Under data parallelism (``rl.distributed``: N ranks) each optimizer update's ``rows_per_update`` rows are
-        split token-balanced across the ranks (``dataplane.sharding.shard_updates_for_dp``), every rank reads only
-        its rows, padded to the step's one ``global_forward_pad_seqlen``, and the update is the one a single rank
-        makes on the whole batch.
-
-        Args:
-            rows_per_update: the global batch of one optimizer update; None: the whole of ``meta`` (one update).
-
-        Returns:
-            the training metrics, with ``total_num_tokens`` (prompt + response tokens of the whole step).
-        """
-        from dataplane import fields as F
-        from dataplane.sharding import shard_updates_for_dp
-        from rl import distributed
-
-        dp_rank, dp_size = self.data_parallel()
-        shard, update_sizes = shard_updates_for_dp(
-            meta, dp_world=dp_size, rank=dp_rank, rows_per_update=rows_per_update or meta.size()
-        )
-        batch = dataplane.read_batch(shard, list(fields), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
-        self.prepare_for_training()
-        try:
-            metrics = self.train(batch, update_sizes=update_sizes)
-        finally:
-            self.finish_training()
-        tokens = distributed.sum_scalars(
-            {"total_num_tokens": float(batch[F.INPUT_LENGTHS].sum()) if self.writes_outputs() else 0.0}
-        )
-        return {**metrics, **tokens}
-
-    def _logprobs_from_meta(
-        self, meta: KVBatchMeta, dataplane: DataPlane, compute: Any, field: str, task_name: str
-    ) -> KVBatchMeta:
-        """This rank's token-balanced shard of ``meta`` (``dataplane.sharding.shard_meta_for_dp``), read padded to the
-        step's ``global_forward_pad_seqlen``, goes through ``compute``; the rank writes its rows' ``field`` under
-        their own sample ids in one delta write (its id hashes the field and those ids, so a retried task replaces
-        it). Ranks that share a replica's shard (:meth:`data_parallel`) all compute, and one of them
-        (:meth:`writes_outputs`) writes. Every rank waits for all writes before the meta naming ``field`` is returned."""
-        from dataplane import fields as F
-        from dataplane.codec import to_nested_by_length
-        from dataplane.sharding import shard_meta_for_dp
-        from rl import distributed
-
-        dp_rank, dp_size = self.data_parallel()
-        shard = shard_meta_for_dp(meta, dp_world=dp_size)[0][dp_rank]
-        if shard.size():
-            batch = dataplane.read_batch(shard, list(F.LP_SEED_FIELDS), pad_value_dict={F.INPUT_IDS: self.pad_token_id})
-            logprobs = compute(batch)  # [n, S]
-            if self.writes_outputs():
-                if logprobs.shape != batch[F.INPUT_IDS].shape:
-                    msg = f"{self.name} back-end returned logprobs of shape {tuple(logprobs.shape)} for input_ids {tuple(batch[F.INPUT_IDS].shape)}"
-                    raise RuntimeError(msg)
-                dataplane.write_columns(
-                    shard, {field: to_nested_by_length(logprobs, batch[F.INPUT_LENGTHS])}, task_name=task_name
-                )
-        distributed.barrier()
-        return dataclasses.replace(meta, fields=list(dict.fromkeys([*(meta.fields or []), field])), task_name=task_name)

@@ -88,9 +88,9 @@ def check_installed(role: str, name: str) -> None:
 
         if not torch.cuda.is_available():
             msg = (
-                f"{role}.backend {name!r} needs a CUDA GPU and this machine has none (torch {torch.__version__}): megatron-core's "
-                "GPT model calls CUDA in its rotary embedding and RNG tracker. Use policy.backend 'transformers' on CPU, or run "
-                "the model tasks on GPUs (resources.train.gpu)"
+                f"{role}.backend {name!r} needs a CUDA GPU and this machine has none (torch {torch.__version__}): "
+                "megatron-core's GPT model calls CUDA in its rotary embedding and RNG tracker. Use policy.backend "
+                "'transformers' on CPU, or run the model tasks on GPUs (resources.train.gpu)"
             )
             raise RuntimeError(msg)
 

@@ -2,6 +2,7 @@
 
 - `rl.config.sections`: the section dataclasses and `GRPOConfig`, each field documented by the string under it;
 - `rl.config.loading`: a config from a mapping (`config_from_dict`), inline JSON or a YAML/JSON file (`load_config`);
+- `rl.config.parsing`: the strict JSON and YAML readers and the builder they share, without I/O;
 - `rl.config.checks`: field types, the error style (``config {where}: {problem}; {fix}``), section names, the rules
   across sections;
 - `rl.config.descriptions`: field docstrings as the descriptions of flytekit's JSON schema and docs/config.md.

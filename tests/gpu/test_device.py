@@ -147,6 +147,7 @@ def test_the_generation_copy_is_bf16_with_sdpa_and_agrees_with_the_trainer(tiny_
 def test_the_cuda_graph_decode_replays_the_eager_static_loop(tiny):
     """``generation.cuda_graphs``: the captured one-token step gives what the same static loop gives launched op by op
     (greedy and seeded sampling), and the generation copy runs it in bf16."""
+    from rl.backends.hf.sampling import DecodeSettings
     from rl.backends.hf.static_decode import decode_static
     from rl.precision import device_generator
 
@@ -160,11 +161,11 @@ def test_the_cuda_graph_decode_replays_the_eager_static_loop(tiny):
         "top_p": 1.0,
         "precision": "float32",
     }
-    eager = decode_static(gpu, rows, **common, greedy=True, generator=None, graph=False)
-    graphed = decode_static(gpu, rows, **common, greedy=True, generator=None, graph=True)
+    eager = decode_static(gpu, rows, DecodeSettings(**common, greedy=True, generator=None), graph=False)
+    graphed = decode_static(gpu, rows, DecodeSettings(**common, greedy=True, generator=None), graph=True)
     assert torch.equal(eager[0], graphed[0]) and torch.allclose(eager[1], graphed[1], atol=1e-5)
     sampled = [
-        decode_static(gpu, rows, **common, greedy=False, generator=device_generator(CUDA, 3), graph=g)
+        decode_static(gpu, rows, DecodeSettings(**common, greedy=False, generator=device_generator(CUDA, 3)), graph=g)
         for g in (False, True)
     ]
     assert torch.equal(sampled[0][0], sampled[1][0])

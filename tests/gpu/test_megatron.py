@@ -86,7 +86,8 @@ def test_logprobs_match_the_transformers_backend_on_the_real_model(
     mask = batch["token_mask"]
     diff = (hf - mc).abs()[mask]
     print(
-        f"\n[megatron parity {precision}] {int(mask.sum())} tokens: max |diff| {float(diff.max()):.2e}, mean {float(diff.mean()):.2e} nats"
+        f"\n[megatron parity {precision}] {int(mask.sum())} tokens: max |diff| {float(diff.max()):.2e}, mean "
+        f"{float(diff.mean()):.2e} nats"
     )
     assert (mc[~mask] == 0).all() and (mc[mask] < 0).all()
     assert float(diff.max()) < max_diff and float(diff.mean()) < mean_diff
@@ -113,7 +114,8 @@ def test_training_matches_the_transformers_backend_and_lowers_the_loss(tmp_path,
             if step == 0:
                 first[name] = metrics
     print(
-        f"\n[megatron train] losses {losses}; grad_norm {first['megatron']['grad_norm']:.6f} vs {first['transformers']['grad_norm']:.6f}"
+        f"\n[megatron train] losses {losses}; grad_norm {first['megatron']['grad_norm']:.6f} vs "
+        f"{first['transformers']['grad_norm']:.6f}"
     )
     assert first["megatron"]["loss"] == pytest.approx(first["transformers"]["loss"], abs=1e-4)
     assert first["megatron"]["grad_norm"] == pytest.approx(first["transformers"]["grad_norm"], rel=1e-2)

@@ -4,12 +4,13 @@ between collected steps."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import kill_when, metric_steps, run_to_end, small_config
+from tests.helpers import earnable_reward, kill_when, metric_steps, run_to_end, small_config
 
 
 def _run(tmp_path: Path, model: str, monkeypatch, collector: str, **overrides: dict):
@@ -63,13 +64,6 @@ def test_age_0_through_the_collector_equals_the_synchronous_trainer_bit_for_bit(
     assert _history(cfg_coll, coll, "train/avg_trajectory_age") == [0.0, 0.0, 0.0]
 
 
-def _earnable_reward(problem, response: str, dataset, dataset_kwargs, seed) -> float:
-    """A reward the tiny random model earns: 1 for a response of an even number of characters, else 0. Its groups mix
-    both, so the advantages are not zero and every update moves the policy (the dataset's own reward is always 0 for
-    it: only the KL term and weight decay would move it, by ~1e-5, too little for the off-policy gap to show)."""
-    return float(len(response) % 2 == 0)
-
-
 OFF_POLICY_GAP = 0.01
 """Least distance from 1 asserted for the smallest and the largest per-token importance weight of an off-policy step.
 Measured on this project's CPU (the test prints them): at least 0.09 (min 0.74-0.89, max 1.09-1.32 over steps 2-4 at
@@ -80,12 +74,12 @@ mean 1 under the sampler, so the mean's distance from 1 is sampling noise (0.002
 @pytest.mark.integration
 @pytest.mark.parametrize("age", [1, 2])
 def test_collector_equals_the_rollout_task_path_and_bounds_the_age(tmp_path, tiny_model_dir, monkeypatch, age):
-    """Issue 29: the off-policy gap is large by construction. With a reward the tiny model earns
-    (:func:`_earnable_reward`) every group has non-zero advantages, and AdamW's first update moves every parameter
-    with a non-zero gradient by about ``optim.lr`` (1e-3 here; m/sqrt(v) = g/|g| at its first step, whatever the
-    gradient's scale), 5% of the tiny model's 0.02 initial weight scale. So a step trained on a batch sampled one or
-    two updates earlier weights its tokens by ratios far from 1, on any machine."""
-    monkeypatch.setattr("rl.rollout.score", _earnable_reward)
+    """The off-policy gap is large by construction. With a reward the tiny model earns
+    (:func:`tests.helpers.earnable_reward`) every group has non-zero advantages, and AdamW's first update moves every
+    parameter with a non-zero gradient by about ``optim.lr`` (1e-3 here; m/sqrt(v) = g/|g| at its first step,
+    whatever the gradient's scale), 5% of the tiny model's 0.02 initial weight scale. So a step trained on a batch
+    sampled one or two updates earlier weights its tokens by ratios far from 1, on any machine."""
+    monkeypatch.setattr("rl.rollout.score", earnable_reward)
     overrides = {"grpo": {"max_num_steps": 4, "val_period": 2, "max_trajectory_age_steps": age}, **ASYNC}
     cfg_task, task = _run(tmp_path / "task", tiny_model_dir, monkeypatch, "off", **overrides)  # as on a cluster
     cfg_coll, coll = _run(tmp_path / "coll", tiny_model_dir, monkeypatch, "auto", **overrides)  # background thread
@@ -126,7 +120,6 @@ def test_sigkill_with_buffered_batches_then_resume_is_exact(tmp_path, tiny_model
     """a = 2, checkpoints every 2 steps: killed after step 3 with the batches of steps 3 and 4 (from versions 0 and 1)
     buffered, the resumed run takes them from the data plane instead of generating them again, trains every
     prompt exactly once and ends with the uninterrupted run's weights, bit for bit."""
-    import json
 
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file

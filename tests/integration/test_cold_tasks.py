@@ -24,8 +24,6 @@ from tests.helpers import metric_steps, small_config
 
 
 def _weights(url: str, storage_options: dict) -> dict[str, torch.Tensor]:
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
     from rl.checkpoint import local_copy

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -142,7 +145,15 @@ def _run(cfg, *, drills: dict | None = None, failures: list | None = None, steps
             c["write_id"] for c in dp._commits(dp._part(batch.partition_id)) if c["task_name"] == "ref_lp"
         )
         policy = _attempts(
-            train, drills.get(("train", step)), failures, cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref
+            train,
+            drills.get(("train", step)),
+            failures,
+            cfg=cfg,
+            run=run,
+            policy=policy,
+            with_advantages=adv,
+            with_prev_logprobs=prev,
+            with_reference_logprobs=ref,
         )
         weights[step] = _weights(policy)
     return run, policy, columns, weights
@@ -193,7 +204,8 @@ def test_two_ranks_train_as_one_rank_and_log_the_same_metrics(tmp_path, tiny_mod
 
 def test_two_ranks_train_gspo_as_one_rank(tmp_path, tiny_model_dir):
     """GSPO, whose ratio and loss are per sequence and whose importance-ratio metric is a mean over sequences, with the
-    off-policy correction: each rank holds whole sequences, and the counts and sums over ranks give one rank's update."""
+    off-policy correction: each rank holds whole sequences, and the counts and sums over ranks give one rank's
+    update."""
     gspo = {"loss_type": "grpo", "importance_sampling_level": "sequence", "use_importance_sampling_correction": True}
     cfg1, cfg2 = (_cfg(tmp_path / str(ranks), tiny_model_dir, ranks, loss=gspo) for ranks in (1, 2))
     (run1, _, _, weights1), (run2, _, _, weights2) = _run(cfg1, steps=(1,)), _run(cfg2, steps=(1,))
@@ -245,8 +257,8 @@ def test_a_rank_that_dies_fails_the_task_clearly_and_the_retry_ends_as_a_clean_r
 
 
 def test_a_local_run_whose_rank_dies_in_step_1_completes(tmp_path, tiny_model_dir, capfd):
-    """Issue 29: a local run (the workflow called in Python, as ``pyflyte run`` without ``--remote`` runs it) whose
-    train task loses rank 1 in step 1 retries that task, as Flyte does, and completes; it used to end there."""
+    """A local run (the workflow called in Python, as ``pyflyte run`` without ``--remote`` runs it) whose train task
+    loses rank 1 in step 1 retries that task, as Flyte does, and completes."""
     from tests.helpers import metric_steps
     from workflows.grpo import grpo
 
@@ -284,11 +296,9 @@ def test_a_rank_that_raises_fails_the_task_with_its_error(tmp_path, tiny_model_d
 
 
 def test_pyflyte_run_with_two_ranks(tmp_path, tiny_model_dir):
-    """The README's command, in a fresh process outside the repository: ``pyflyte run`` puts the code root on
-    sys.path only while it loads the workflow file, yet the spawned ranks must import the tasks' modules."""
-    import json
-    import subprocess
-    import sys
+    """docs/cluster.md's local data-parallel command, in a fresh process outside the repository: ``pyflyte run``
+    puts the code root on sys.path only while it loads the workflow file, yet the spawned ranks must import the
+    tasks' modules."""
 
     root = Path(__file__).resolve().parents[2]
     cfg = _cfg(tmp_path, tiny_model_dir, 2)

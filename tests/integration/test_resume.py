@@ -1,6 +1,6 @@
 """Exact resume: a run SIGKILLed during step 3 and resumed ends with the same weights, bit for bit, as an
 uninterrupted run, and its MLflow run holds each step's metrics exactly once; a run stopped on either side of a
-checkpoint's save loses no metric once resumed, and its failure marks the MLflow run FAILED (issue 29)."""
+checkpoint's save loses no metric once resumed, and its failure marks the MLflow run FAILED."""
 
 from __future__ import annotations
 
@@ -90,10 +90,10 @@ def undisturbed(tmp_path_factory, tiny_model_dir) -> dict[str, list[tuple[int, f
 def test_a_run_stopped_beside_a_checkpoint_save_loses_no_metric_and_is_marked_failed(
     tmp_path, tiny_model_dir, monkeypatch, stop, undisturbed
 ):
-    """Issue 29: a run stopped at step 2 of 2 right after its checkpoint's save (``after_the_save``: a resume starts
-    after that step, and today never logged its metrics), or right before it (``before_the_save``: a resume trains
-    the step again). The stop is an exception where the kill would land (``tasks.saving.save_policy``); nothing of
-    the task runs after it but its error handling. Then:
+    """A run stopped at step 2 of 2 right after its checkpoint's save (``after_the_save``: a resume starts after that
+    step, so the task must have logged the step's metrics before the save), or right before it (``before_the_save``:
+    a resume trains the step again). The stop is an exception where the kill would land
+    (``tasks.saving.save_policy``); nothing of the task runs after it but its error handling. Then:
 
     - the failed run's MLflow run is FAILED (the workflow's ``on_failure`` handler, ``tasks.failure``), and a resume
       marks it RUNNING, its end FINISHED;

@@ -24,6 +24,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,14 @@ def _run(cfg, *, snapshots: list, attempts: list | None = None):
         ref = reference_logprobs(cfg=cfg, run=run, meta=batch)
         adv = advantages(cfg=cfg, run=run, meta=batch)
         snapshots.append(_state(cfg, run))  # the step partition, complete, before train clears it
-        policy = train(cfg=cfg, run=run, policy=policy, batch=adv, prev=prev, ref=ref)
+        policy = train(
+            cfg=cfg,
+            run=run,
+            policy=policy,
+            with_advantages=adv,
+            with_prev_logprobs=prev,
+            with_reference_logprobs=ref,
+        )
         snapshots.append(_state(cfg, run))
     validate(cfg=cfg, run=run, policy=policy)
     snapshots.append(_state(cfg, run))
@@ -221,8 +230,6 @@ def test_a_pods_attempt_raises_a_recoverable_error_once_and_a_local_run_retries_
     """Remote executions are unchanged: the task's own command (``pyflyte-execute``, as a pod runs it, in a fresh
     process) makes one attempt and records the error as recoverable, for Flyte to retry; a local call of the same
     task makes 1 + ``retries`` attempts (``tasks.retry``)."""
-    import subprocess
-    import sys
 
     from flyteidl.core import errors_pb2
     from flytekit.configuration import ImageConfig, SerializationSettings

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import metric_steps, small_config
+from tests.helpers import earnable_reward, metric_steps, small_config
 
 # the reference's metric list (NeMo-RL grpo.py, see the digest), logged at every step
 STEP_METRICS = [
@@ -60,6 +61,34 @@ STEP_METRICS = [
 ]
 
 
+# Per-step values (steps 1, 2) of the two-step run below, pinned as torchtune's recipe tests pin their losses:
+# float32 on the CPU gives the same values on every run (it was run twice), so a change of the maths, of an RNG draw
+# or of their order moves them. The run is rewarded by `earnable_reward` (the tiny model never earns the dataset's
+# reward: its loss and gradient would be ~0 and pin nothing). To regenerate after an intended change: set each list
+# to [], run `python -m pytest tests/integration/test_workflow.py -k two_steps_through_local_executor` and copy the
+# values each failure prints.
+GOLDEN = {
+    "transformers": {
+        "train/loss": [4.842877388000488e-08, -0.0457125548273325],
+        "train/reward": [0.5, 0.5625],
+        "train/grad_norm": [1.2278715372085571, 0.9231077432632446],
+    },
+    "vllm": {
+        "train/loss": [-0.09150592982769012, 0.04577961191534996],
+        "train/reward": [0.625, 0.4375],
+        "train/grad_norm": [1.1583263874053955, 1.0430395603179932],
+    },
+}
+GOLDEN_TOLERANCE = {"train/loss": {"abs": 1e-5}, "train/reward": {"abs": 1e-5}, "train/grad_norm": {"rel": 1e-4}}
+
+
+def metric_values(uri: str, run_id: str, key: str) -> list[float]:
+    """The values of ``key`` logged in the MLflow run, in step order."""
+    from mlflow.tracking import MlflowClient
+
+    return [m.value for m in sorted(MlflowClient(uri).get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "backend",
@@ -70,10 +99,12 @@ STEP_METRICS = [
         ),
     ],
 )
-def test_two_steps_through_local_executor(tmp_path, tiny_model_dir, backend):
+def test_two_steps_through_local_executor(tmp_path, tiny_model_dir, backend, monkeypatch):
     from safetensors.torch import load_file
 
     from workflows.grpo import grpo
+
+    monkeypatch.setattr("rl.rollout.score", earnable_reward)  # advantages that move the policy: values worth pinning
 
     cfg = small_config(tmp_path, tiny_model_dir, generation={"backend": backend})
     summary = grpo(cfg=cfg)
@@ -88,6 +119,9 @@ def test_two_steps_through_local_executor(tmp_path, tiny_model_dir, backend):
     # the generation back-end sampled the policy being trained, step 2 included (its weights were refitted)
     assert summary.metrics["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
     assert summary.metrics["train/grad_norm"] > 0
+    logged = {key: metric_values(uri, summary.mlflow_run_id, key) for key in GOLDEN[backend]}
+    for key, want in GOLDEN[backend].items():
+        assert logged[key] == pytest.approx(want, **GOLDEN_TOLERANCE[key]), f"{key}: got {logged}"
 
     ckpt = Path(summary.last_checkpoint)
     assert ckpt == tmp_path / "dp" / summary.run_id / "checkpoints" / "step_000002"
@@ -154,7 +188,6 @@ def test_a_retried_multi_step_task_trains_again_what_its_first_attempt_did_not_f
     finds no step of its range finished, starts again from its input policy (step 2's, kept although step 4's save
     pruned the weights folder), and ends with the weights and metrics of an undisturbed run, each step logged once.
     A retry of the finished task trains nothing."""
-    import dataclasses
 
     from flytekit.exceptions.user import FlyteRecoverableException
     from mlflow.tracking import MlflowClient
@@ -192,7 +225,8 @@ def test_a_retried_multi_step_task_trains_again_what_its_first_attempt_did_not_f
     monkeypatch.setattr(tracking, "log_metrics", dies_once)
     with pytest.raises(
         FlyteRecoverableException,
-        match=r"^USER:Recoverable: error=train: transient ConnectionError: the tracking server went away \(Flyte retries the task\)",
+        match=r"^USER:Recoverable: error=train: transient ConnectionError: the tracking server went away "
+        r"\(Flyte retries the task\)",
     ):
         grpo_steps.task_function(cfg=cfg, run=run, policy=p2, first=3, last=4, accuracy=-1.0)
     assert died == [4] and Path(p2.path.removeprefix("file://"), "_COMPLETE").exists()  # the input survived

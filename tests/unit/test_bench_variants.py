@@ -64,10 +64,8 @@ def test_the_table_averages_each_variant_over_its_seeds():
         for line in text.splitlines()
         if line.startswith("| gspo") or line.startswith("| cispo") or line.startswith("| default")
     ]
-    assert (
-        rows
-        == [
-            "| gspo | 0.160 | 0.350 ± 0.071 | [0.300, 0.400] | 0.500 | 0.250 | 40.0 |",  # seeds in order; sample std of 0.3, 0.4
-            "| cispo | 0.160 | 0.500 ± 0.000 | [0.500] | 0.500 | 0.250 | 40.0 |",
-        ]
-    )
+    assert rows == [
+        # seeds in order; sample std of 0.3, 0.4
+        "| gspo | 0.160 | 0.350 ± 0.071 | [0.300, 0.400] | 0.500 | 0.250 | 40.0 |",
+        "| cispo | 0.160 | 0.500 ± 0.000 | [0.500] | 0.500 | 0.250 | 40.0 |",
+    ]

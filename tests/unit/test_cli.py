@@ -4,10 +4,17 @@ run's last line, and the Flyte client config files (flyte.yaml, flyte-sandbox.ya
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tasks.cli import config_param_type, install_config_options
+from tasks.run_config import RunConfig
+from tasks.types import RunSummary
+from tests.helpers import put_config_on_s3
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,8 +29,6 @@ def pyflyte():
     imported ``tasks.run_config`` first, so it is installed here too (it is idempotent)."""
     from click.testing import CliRunner
     from flytekit.clis.sdk_in_container.pyflyte import main
-
-    from tasks.cli import install_config_options
 
     install_config_options()
     runner = CliRunner()
@@ -43,7 +48,8 @@ def pyflyte():
     [
         (
             '{"grpo": {"max_num_steps": "four"}}',
-            "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted",
+            "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, "
+            "unquoted",
         ),
         (
             '{"optim": {"lr": "fast"}}',
@@ -91,9 +97,6 @@ def test_a_missing_cfg_file_says_it_does_not_exist(pyflyte, tmp_path, monkeypatc
 
 
 def test_a_cfg_file_url_is_read(pyflyte, tmp_path):
-    from tasks.cli import config_param_type
-    from tasks.run_config import RunConfig
-
     bad = _cfg_file(tmp_path, "bad.yaml", "grpo:\n  max_num_steps: 0\n")
     code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", bad.as_uri())  # file:///...
     assert code == 2
@@ -103,8 +106,6 @@ def test_a_cfg_file_url_is_read(pyflyte, tmp_path):
 
 
 def test_a_cfg_file_on_s3_is_read_with_the_flyte_environment(pyflyte, s3_server, monkeypatch):
-    from tests.helpers import put_config_on_s3
-
     url = put_config_on_s3(s3_server, monkeypatch, "configs/zero.yaml", b"grpo:\n  max_num_steps: 0\n")
     code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", url)
     assert code == 2 and "Invalid value for '--cfg': config grpo.max_num_steps: is 0" in out
@@ -153,8 +154,6 @@ def test_a_cfg_file_that_cannot_be_read_is_named(pyflyte, tmp_path, monkeypatch,
 
 def test_help_is_a_page_naming_the_sections_and_the_reference(pyflyte):
     """flytekit would append the JSON schema of RunConfig (about 760 lines of help): tasks/cli.py replaces it."""
-    from tasks.run_config import RunConfig
-
     code, raw = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--help", raw=True)
     assert code == 0
     assert len(raw.splitlines()) < 60, raw
@@ -190,9 +189,6 @@ def test_the_console_still_gets_the_schema_with_descriptions(pyflyte):
 @pytest.mark.slow
 def test_help_of_the_real_command_is_short():
     """As a user runs it: pyflyte imports its run module, then the workflow file, which installs the option."""
-    import subprocess
-    import sys
-
     pyflyte = Path(sys.executable).with_name("pyflyte")
     out = subprocess.run(
         [str(pyflyte), "run", "workflows/grpo.py", "grpo", "--help"],
@@ -208,14 +204,13 @@ def test_from_json_errors_are_click_usage_errors_and_value_errors():
     import click
     from flytekit.interaction.click_types import JsonParamType
 
-    from tasks.run_config import RunConfig
-
     with pytest.raises(click.BadParameter) as err:
         JsonParamType(RunConfig).convert('{"grpo": {"max_num_steps": "four"}}', None, None)
     assert isinstance(err.value, ValueError)
     assert (
         str(err.value)
-        == "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as 3, unquoted"
+        == "config grpo.max_num_steps: expected a whole number, got the string 'four'; write an integer such as "
+        "3, unquoted"
     )
     with pytest.raises(
         ValueError,
@@ -228,8 +223,6 @@ def test_from_json_errors_are_click_usage_errors_and_value_errors():
 
 
 def test_run_summary_prints_as_one_short_line():
-    from tasks.types import RunSummary
-
     summary = RunSummary(
         run_id="grpo-20260101-abc",
         mlflow_run_id="0123456789abcdef",
@@ -240,7 +233,8 @@ def test_run_summary_prints_as_one_short_line():
         metrics={f"train/metric_{i}": float(i) for i in range(60)},
     )
     expected = (
-        "RunSummary(run_id='grpo-20260101-abc', final_step=4, validation_accuracy=0.562, mlflow_run_id='0123456789abcdef', "
+        "RunSummary(run_id='grpo-20260101-abc', final_step=4, validation_accuracy=0.562, "
+        "mlflow_run_id='0123456789abcdef', "
         "last_checkpoint='s3://***@bucket/runs/grpo-20260101-abc/checkpoints/step_000004')"
     )
     assert str(summary) == repr(summary) == expected

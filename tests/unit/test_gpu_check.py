@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import bench.megatron as bm
+
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("gpu_check_table", REPO / "scripts" / "gpu_check_table.py")
 table = importlib.util.module_from_spec(spec)
@@ -99,8 +101,8 @@ ENV = {
 @pytest.fixture
 def out(tmp_path):
     (tmp_path / "parts.txt").write_text(
-        "part env rc=0 14s\npart models rc=0 31s\npart pytest rc=1 118s\npart step135M rc=0 84s\npart step135Mgraphs rc=0 61s\n"
-        "part step1B rc=124 180s\n"
+        "part env rc=0 14s\npart models rc=0 31s\npart pytest rc=1 118s\npart step135M rc=0 84s\npart "
+        "step135Mgraphs rc=0 61s\npart step1B rc=124 180s\n"
         "part megatron135M rc=1 12s\npart megatron1B rc=0 70s\npart later rc=skip 0s\n"
     )
     records = [
@@ -139,8 +141,8 @@ def test_each_part_is_a_row_with_its_status_and_measurements(out):
     ]
     env, models, pytest_row, s135, s135g, s1b, m135, m1b_hf, m1b_meg, m1b_oom, later = rows
     assert env["result"] == (
-        "NVIDIA H100 80GB HBM3, 79.2 GiB, driver 580.65.06; Python 3.12.3, torch 2.11.0+cu130 (CUDA 13.0), transformers 5.17.0; "
-        "megatron.core 0.17.0, tensordict 0.15.3, reasoning_gym 0.1.25, mashumaro 3.23"
+        "NVIDIA H100 80GB HBM3, 79.2 GiB, driver 580.65.06; Python 3.12.3, torch 2.11.0+cu130 (CUDA 13.0), "
+        "transformers 5.17.0; megatron.core 0.17.0, tensordict 0.15.3, reasoning_gym 0.1.25, mashumaro 3.23"
     )
     assert models["result"] == "135M built (9.8 s), 1B reused (0.1 s)"
     assert pytest_row["result"].endswith("7 passed, 1 failed, 3 skipped, 0 errors")
@@ -190,8 +192,8 @@ def test_each_part_is_a_row_with_its_status_and_measurements(out):
     assert (m1b_hf["model"], m1b_hf["update s"], m1b_hf["update MFU"]) == ("1B", "0.801", "27.5%")
     assert (m1b_meg["model"], m1b_meg["update s"], m1b_meg["update MFU"]) == ("1B", "1.173", "18.8%")
     assert m1b_meg["result"] == (
-        "bench.megatron megatron back-end, rows32: 64 x 512 tokens, 27,926 tok/s, peak 41.2 GiB, "
-        "step time 1.46x the first row's"
+        "bench.megatron megatron back-end, rows32: 64 x 512 tokens, 27,926 tok/s, peak 41.2 GiB, step time 1.46x the "
+        "first row's"
     )
     assert (
         m1b_oom["result"] == "bench.megatron megatron back-end, tokens64k: out of memory: CUDA"
@@ -248,8 +250,6 @@ def test_a_failed_env_part_names_the_imports_that_failed(tmp_path):
 
 def test_bench_megatron_takes_a_model_and_appends_one_json_row_per_backend(tmp_path, monkeypatch, capsys):
     import torch
-
-    import bench.megatron as bm
 
     seen = {}
 

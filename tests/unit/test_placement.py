@@ -11,12 +11,19 @@ import pytest
 from flytekit import Resources
 from flytekit.models.task import Resources as ResourcesModel
 
+import workflows.launch_plans  # noqa: F401 (registers every project entity)
 from images.cpu import cpu_image
 from images.rollout_gpu import rollout_gpu_image
 from images.train_gpu import train_gpu_image
 from tasks import placement
+from tasks.advantages import advantages
+from tasks.evaluate import evaluate, find_checkpoint
+from tasks.logprobs import reference_logprobs
+from tasks.rollout import rollout
 from tasks.run_config import RunConfig, TrainResources, load_run_config, run_config_from_dict
+from tasks.train import train
 from workflows import registration
+from workflows.grpo import training_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU, GPU, MEM = ResourcesModel.ResourceName.CPU, ResourcesModel.ResourceName.GPU, ResourcesModel.ResourceName.MEMORY
@@ -92,12 +99,6 @@ def test_declared_rollout_and_cpu_classes():
 
 
 def test_registered_tasks_carry_their_class():
-    from tasks.advantages import advantages
-    from tasks.evaluate import evaluate, find_checkpoint
-    from tasks.rollout import rollout
-    from tasks.train import train
-    from workflows.grpo import training_loop
-
     expected = {
         rollout: rollout_gpu_image,
         evaluate: rollout_gpu_image,
@@ -247,8 +248,6 @@ def registered_settings():
     as in the serialized context a cluster hands the step loop's pod."""
     from flytekit.core.context_manager import FlyteEntities
 
-    import workflows.launch_plans  # noqa: F401 (registers every project entity)
-
     ours = [
         e for e in FlyteEntities.entities if str(getattr(e, "instantiated_in", "")).startswith(("tasks.", "workflows."))
     ]
@@ -289,7 +288,8 @@ def test_named_image_unknown_to_the_execution_is_refused():
     ss = registration.settings()  # nothing serialized into it: no ImageSpec is known
     with pytest.raises(
         ValueError,
-        match=r"config resources.train.image: the 'cpu' image is not known to this execution .* use a full image reference",
+        match=r"config resources.train.image: the 'cpu' image is not known to this execution .* use a full image "
+        r"reference",
     ):
         _compile(cfg, ss)
 
@@ -310,20 +310,24 @@ def test_named_image_unknown_to_the_execution_is_refused():
         ),
         (
             {"cpu": {"shared_memory": "16GB"}},
-            "config resources.cpu.shared_memory: '16GB' is not a positive Kubernetes quantity; use e.g. '2', '500m', '16Gi'",
+            "config resources.cpu.shared_memory: '16GB' is not a positive Kubernetes quantity; use e.g. '2', '500m', "
+            "'16Gi'",
         ),
         (
             {"rollout": {"accelerator": "nvidia-h100"}},
-            "config resources.rollout.accelerator: 'nvidia-h100' is set but gpu is 0; set gpu >= 1 or accelerator: null",
+            "config resources.rollout.accelerator: 'nvidia-h100' is set but gpu is 0; set gpu >= 1 or accelerator: "
+            "null",
         ),
         (
             {"train": {"gpu": 1, "accelerator": "NVIDIA H100"}},
-            "config resources.train.accelerator: 'NVIDIA H100' is not an accelerator name; use e.g. 'nvidia-h100' or 'nvidia-tesla-a100'",
+            "config resources.train.accelerator: 'NVIDIA H100' is not an accelerator name; use e.g. 'nvidia-h100' or "
+            "'nvidia-tesla-a100'",
         ),
         ({"train": {"gpu": -1}}, "config resources.train.gpu: is -1; use 0 (CPU) or the number of GPUs per task"),
         (
             {"cpu": {"image": "my image"}},
-            "config resources.cpu.image: 'my image' is neither an image name nor an image reference; use one of ['default', 'cpu', 'rollout-gpu', 'train-gpu'] or a reference such as 'ghcr.io/acme/grpoflow:v1'",
+            "config resources.cpu.image: 'my image' is neither an image name nor an image reference; use one "
+            "of ['default', 'cpu', 'rollout-gpu', 'train-gpu'] or a reference such as 'ghcr.io/acme/grpoflow:v1'",
         ),
         (
             {"cpu": {"image": "gpu"}},
@@ -365,9 +369,6 @@ def test_resources_valid_values_accepted():
 
 
 def test_model_tasks_of_several_nodes_are_pytorch_jobs_with_the_configs_ranks():
-    from tasks.logprobs import reference_logprobs
-    from tasks.train import train
-
     before = train.task_config, reference_logprobs.task_config
     cfg = run_config_from_dict(
         {

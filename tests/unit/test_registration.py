@@ -99,8 +99,8 @@ def test_a_compile_error_of_a_config_fails_the_check(project_entities, monkeypat
     assert registration.main([]) == 1
     captured = capsys.readouterr()
     assert (
-        "registration check FAILED: KeyError: \"task 'tasks.advantages.advantages' has no resource class: add it to tasks.placement.ROLE\""
-        in captured.err
+        "registration check FAILED: KeyError: "
+        "\"task 'tasks.advantages.advantages' has no resource class: add it to tasks.placement.ROLE\"" in captured.err
     )
     assert "tasks:" not in captured.out  # nothing listed as if it had passed
 

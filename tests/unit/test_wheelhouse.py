@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -209,8 +210,6 @@ class FakePip:
         self.metadata, self.sizes, self.sdist_only, self.calls = metadata, sizes, sdist_only, []
 
     def __call__(self, cmd, **kw):
-        import subprocess
-
         self.calls.append(cmd)
         if "-c" in cmd and cmd[cmd.index("-c") + 1].startswith("import sys; from rl.model"):  # the tokenizer
             target = Path(cmd[-1])

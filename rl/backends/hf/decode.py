@@ -1,15 +1,28 @@
 """Rollout generation with a batched, KV-cached decode loop over a Hugging Face causal LM: completions, their
 per-token generation logprobs, and the jagged per-token fields the data plane stores.
 
-Owns sampling only; scoring is `rl.data`, storage is `dataplane`.
+Owns generation only (the dispatch to this dynamic-cache loop or the static-cache one of
+`rl.backends.hf.static_decode`, and the decode batch size); what both loops share is `rl.backends.hf.sampling`'s;
+scoring is `rl.data`, storage is `dataplane`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rl.backends.hf.lm_head import LMHead, lm_head
+from rl.backends.hf.lm_head import lm_head
 from rl.backends.hf.logprobs import hidden_states
+from rl.backends.hf.sampling import (
+    SYNC_EVERY,
+    Completions,
+    DecodeSettings,
+    left_pad,
+    next_tokens,
+    one_token_mask,
+    one_token_masks_apply,
+    prefill,
+)
+from rl.backends.hf.static_decode import decode_static, stored_in_compute_dtype
 from rl.backends.interfaces import Generated
 from rl.precision import autocast, device_of, on_accelerator, to_device
 
@@ -22,57 +35,6 @@ def _group_size(prompts: list[list[int]]) -> int:
     if len(prompts) % g or any(prompts[i] != prompts[i - i % g] for i in range(len(prompts))):
         return 1
     return g
-
-
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, P] int64 ids and attention mask of ``rows``, left-padded to the longest."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)  # [n, P]
-    attn = torch.zeros((len(rows), width), dtype=torch.int64)  # [n, P]
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r)
-            attn[i, width - len(r) :] = 1
-    return ids, attn
-
-
-def sample_next(
-    logits: torch.Tensor, *, temperature: float, top_p: float, greedy: bool, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row and return it with its generation logprob.
-
-    Sampling is inverse-CDF (one uniform per row against the cumulative probabilities): the same distribution
-    as ``torch.multinomial``, which on CPU spends ~78 ms per [64, 49152] call drawing an exponential per entry.
-
-    Args:
-        logits: [n, V] float32 next-token logits, on any device (the draws happen there).
-        temperature: logits are divided by it (ignored when ``greedy``).
-        top_p: nucleus sampling mass (1.0 = off); the logprob stays that of the temperature-scaled distribution
-            before truncation (what the trainer computes, and what the vLLM back-end reports: its
-            ``raw_logprobs`` at temperature 1). NeMo-RL instead reports the truncated distribution's and truncates
-            in the trainer too.
-        greedy: argmax; the logprob is that of the unscaled distribution.
-        generator: source of the uniforms, on the logits' device; None: torch's global generator.
-
-    Returns:
-        ``(tokens [n] int64, logprobs [n] float32)``.
-    """
-    logp = (logits if greedy else logits / temperature).float().log_softmax(-1)  # [n, V]
-    if greedy:
-        tokens = logp.argmax(-1)  # [n]
-    else:
-        probs = logp.exp()  # [n, V]
-        order = None
-        if top_p < 1.0:
-            probs, order = probs.sort(-1, descending=True)
-            keep = probs.cumsum(-1) - probs < top_p  # [n, V], the first token always kept
-            probs = probs * keep
-        cdf = probs.cumsum(-1)  # [n, V]
-        u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]  # [n, 1]
-        tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)  # [n]
-        if order is not None:
-            tokens = order.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
 def generate(
@@ -94,13 +56,14 @@ def generate(
     A KV-cached decode loop: when the prompts come in runs of G identical ones, each distinct prompt is prefilled
     once and its KV cache repeated G times (the prompt is encoded B times instead of B*G); rows that have produced
     eos leave the batch, so late decode steps run only the still-open rows. Positions count real tokens only
-    (``cumsum(attention_mask) - 1``), so a left-padded prompt is encoded exactly as it is alone, and as the
+    (:func:`rl.backends.hf.sampling.left_pad`), so a left-padded prompt is encoded exactly as it is alone, and as the
     right-padded training forward encodes it.
 
     Device: the prompts are copied to the model's device once per decode batch; sampling, masks, positions and the
     output buffers stay there, and the completions come back in one copy at the end. On the CPU a finished row leaves
-    the batch at once; on a GPU the loop reads how many rows are open only every :data:`SYNC_EVERY` tokens (each read
-    waits for the device), so a finished row may run up to that many extra steps, its tokens discarded.
+    the batch at once; on a GPU the loop reads how many rows are open only every
+    :data:`rl.backends.hf.sampling.SYNC_EVERY` tokens (each read waits for the device), so a finished row may run up
+    to that many extra steps, its tokens discarded.
 
     Args:
         model: causal LM (eval mode) whose forward takes ``past_key_values`` and ``position_ids``.
@@ -116,13 +79,12 @@ def generate(
         cuda_graphs: decode on a static KV cache with the one-token step captured as a CUDA graph
             (`rl.backends.hf.static_decode`); on a device other than CUDA the static loop runs without a graph. Only
             for a model stored in its compute dtype (the GPU's bf16 generation copy), with eager or SDPA attention and
-            no sliding window shorter than the sequence (:func:`one_token_masks_apply`); otherwise the dynamic loop runs.
+            no sliding window shorter than the sequence (:func:`rl.backends.hf.sampling.one_token_masks_apply`);
+            otherwise the dynamic loop runs.
 
     Returns:
         :class:`Generated`, on the host.
     """
-    from rl.backends.hf.static_decode import decode_static, stored_in_compute_dtype
-
     g = _group_size(prompts)
     longest = max((len(p) for p in prompts), default=0) + max_new_tokens
     step = max(g, (batch_size or default_batch_size(model, longest)) // g * g)
@@ -135,23 +97,16 @@ def generate(
         torch.zeros(0, dtype=torch.bool),
         [],
     )
+    ends = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "max_new_tokens": max_new_tokens}
+    sampling = {"temperature": temperature, "top_p": top_p, "greedy": greedy, "generator": generator}
+    settings = DecodeSettings(**ends, **sampling, precision=precision)
     p_lens, r_lens, trunc = [], [], []
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
-        sampling = {
-            "temperature": temperature,
-            "top_p": top_p,
-            "greedy": greedy,
-            "precision": precision,
-            "generator": generator,
-        }
-        ends = {"pad_id": tokenizer.pad_token_id, "eos_id": tokenizer.eos_token_id, "max_new_tokens": max_new_tokens}
         if cuda_graphs and stored_in_compute_dtype(model, precision) and one_token_masks_apply(model, longest):
-            new, lp, lengths, finished = decode_static(
-                model, chunk, **ends, **sampling, graph=device_of(model).type == "cuda"
-            )
+            new, lp, lengths, finished = decode_static(model, chunk, settings, graph=device_of(model).type == "cuda")
         else:
-            new, lp, lengths, finished = _decode(model, chunk, g, **ends, **sampling)  # host tensors
+            new, lp, lengths, finished = _decode(model, chunk, g, settings)  # host tensors
         ids, r_list = new.tolist(), lengths.tolist()
         for i, p in enumerate(chunk):
             r = r_list[i]
@@ -168,8 +123,6 @@ def generate(
     return out
 
 
-SYNC_EVERY = 4
-"""Decode steps between two reads of the open-row count on a GPU (on the CPU: every step)."""
 CPU_BATCH_SIZE = 64
 """Sequences per decode batch on the CPU: 64 x 32 new tokens of SmolLM2-135M measured fastest on 2 cores."""
 MAX_DEVICE_BATCH_SIZE = 4096
@@ -201,123 +154,28 @@ def default_batch_size(model: torch.nn.Module, longest: int) -> int:
     return int(max(1, min(MAX_DEVICE_BATCH_SIZE, free // 2 // per_row)))
 
 
-def one_token_masks_apply(model: torch.nn.Module, longest: int) -> bool:
-    """Whether a decode step's 4D mask may be built by :func:`_one_token_mask`: the model attends to every past token
-    (no sliding window shorter than ``longest``) through eager or SDPA attention."""
-    window = getattr(model.config, "sliding_window", None)
-    return model.config._attn_implementation in ("eager", "sdpa") and (window is None or window >= longest)
-
-
-def one_token_mask(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:
-    """The [m, 1, 1, L] attention mask of a one-token decode step from its [m, L] padding mask: the query attends to
-    every real key, so causality adds nothing. Transformers takes a 4D mask as it is; from a 2D one its SDPA path
-    decides whether to skip the mask by reading the mask's values on the host, which waits for the GPU every token.
-    Bool for SDPA; additive (0 or the dtype's minimum, as transformers' eager mask) for eager attention."""
-    keep = mask.bool()[:, None, None, :]  # [m, 1, 1, L]
-    if model.config._attn_implementation == "sdpa":
-        return keep
-    dtype = model.get_input_embeddings().weight.dtype
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
-
-
-class Completions:
-    """The output buffers of a decode batch on its device, filled token by token, copied to the host once.
-
-    Attributes:
-        tokens: [n, T] int64, pad after a row's eos (and for rows still to decode).
-        logprobs: [n, T] float32, 0 where ``tokens`` is pad.
-        lengths: [n] int64 response lengths, eos counted (T for a row that never produced it).
-        finished: [n] bool, True where the row produced eos.
-    """
-
-    def __init__(self, n: int, t_max: int, *, pad_id: int, eos_id: int, device: torch.device) -> None:
-        self.pad_id, self.eos_id = pad_id, eos_id
-        self.tokens = torch.full((n, t_max), pad_id, dtype=torch.int64, device=device)  # [n, T]
-        self.logprobs = torch.zeros(n, t_max, device=device)  # [n, T]
-        self.lengths = torch.full((n,), t_max, dtype=torch.int64, device=device)  # [n]
-        self.finished = torch.zeros(n, dtype=torch.bool, device=device)  # [n]
-
-    def record(
-        self, rows: torch.Tensor, t: int, nxt: torch.Tensor, lp: torch.Tensor, live: torch.Tensor
-    ) -> torch.Tensor:
-        """Store token ``t`` of ``rows`` (their draws ``nxt`` and logprobs ``lp``, [m] each) where ``live`` ([m] bool,
-        still open); returns the new ``live``: without the rows that produced eos. No device sync."""
-        self.tokens[rows, t] = torch.where(live, nxt, self.pad_id)
-        self.logprobs[rows, t] = torch.where(live, lp, 0.0)
-        done = live & (nxt == self.eos_id)  # [m]
-        self.lengths[rows] = torch.where(done, t + 1, self.lengths[rows])
-        self.finished[rows] = self.finished[rows] | done
-        return live & ~done
-
-    def to_host(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(tokens, logprobs, lengths, finished)`` on the host, cut to the longest response."""
-        lengths = self.lengths.cpu()
-        width = int(lengths.max()) if len(lengths) else 0
-        return self.tokens.cpu()[:, :width], self.logprobs.cpu()[:, :width], lengths, self.finished.cpu()
-
-
-def next_tokens(
-    head: LMHead,
-    hidden: torch.Tensor,
-    logits: torch.Tensor,
-    *,
-    temperature: float,
-    top_p: float,
-    greedy: bool,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sample_next` on ``logits`` ([m, V], from ``hidden`` [m, H]), with the sampled token's logprob made exact
-    where the head runs in bf16 (its logit recomputed as the training forward computes it: `rl.backends.hf.lm_head`)."""
-    nxt, lp = sample_next(logits, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)  # [m] each
-    if head.corrected:
-        exact = head.target_logits(hidden, nxt) - logits.gather(1, nxt[:, None]).squeeze(1)
-        lp = lp + exact.to(lp.dtype) / (1.0 if greedy else temperature)
-    return nxt, lp
-
-
 def _decode(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    g: int,
-    *,
-    pad_id: int,
-    eos_id: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    greedy: bool,
-    precision: str,
-    generator: torch.Generator | None,
+    model: torch.nn.Module, prompts: list[list[int]], g: int, settings: DecodeSettings
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``prompts`` (runs of ``g`` identical ones) on the model's device, with a dynamic KV cache that finished
-    rows leave; returns :meth:`Completions.to_host`."""
+    rows leave; returns :meth:`rl.backends.hf.sampling.Completions.to_host`."""
     from transformers import DynamicCache
 
     device = device_of(model)
     check_every = SYNC_EVERY if on_accelerator(device) else 1
-    n, t_max = len(prompts), max_new_tokens
-    ids, attn = _left_pad(prompts[::g], pad_id)  # [n/g, P] each, host
-    pos = (attn.cumsum(-1) - 1).clamp_(min=0)  # [n/g, P] positions of real tokens
+    n, t_max, precision = len(prompts), settings.max_new_tokens, settings.precision
+    ids, attn, pos = left_pad(prompts[::g], settings.pad_id)  # [n/g, P] each, host
     width = ids.shape[1]  # P
     ids, attn, pos = to_device(ids, device), to_device(attn, device), to_device(pos, device)
-    out = Completions(n, t_max, pad_id=pad_id, eos_id=eos_id, device=device)
+    out = Completions(n, t_max, pad_id=settings.pad_id, eos_id=settings.eos_id, device=device)
     head = lm_head(model, precision)
     own_mask = on_accelerator(device) and one_token_masks_apply(model, width + t_max)
     # one autocast block around the whole loop: its cache casts the float32 weights to bf16 once, not per token
     with torch.no_grad(), autocast(model, precision):
         cache = DynamicCache(config=model.config)
-        if width > 1:  # all but the last prompt token, once per distinct prompt (the trunk only)
-            hidden_states(
-                model,
-                ids[:, :-1],
-                attn[:, :-1],
-                precision=precision,
-                position_ids=pos[:, :-1],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            if g > 1:
-                cache.batch_repeat_interleave(g)
+        prefill(model, ids, attn, pos, cache, precision)  # once per distinct prompt
+        if width > 1 and g > 1:
+            cache.batch_repeat_interleave(g)
         rows = torch.arange(n, device=device)  # [m] rows in the batch, as indices into the chunk
         live = torch.ones(n, dtype=torch.bool, device=device)  # [m] rows in the batch that are still open
         cur = ids[:, -1:].repeat_interleave(g, 0)  # [m, 1]
@@ -334,15 +192,7 @@ def _decode(
                 past_key_values=cache,
                 use_cache=True,
             )[:, -1]  # [m, H]
-            nxt, lp = next_tokens(
-                head,
-                hidden,
-                head.logits(hidden),
-                temperature=temperature,
-                top_p=top_p,
-                greedy=greedy,
-                generator=generator,
-            )
+            nxt, lp = next_tokens(head, hidden, head.logits(hidden), settings)
             live = out.record(rows, t, nxt, lp, live)
             if (t + 1) % check_every == 0:
                 left = int(live.sum())  # waits for the device

@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 
+from rl.backends.hf.decode import generate
+from rl.backends.hf.model import load_model
 from rl.backends.interfaces import Generated, GenerationBackend, PolicyVersion
 from rl.config import GRPOConfig
-from rl.precision import device_generator, device_of
+from rl.lengths import MODEL_LIMIT, check_fits
+from rl.precision import device_generator, device_of, resolve
 
 
 class HFGeneration(GenerationBackend):
@@ -43,12 +46,9 @@ class HFGeneration(GenerationBackend):
         return self._version
 
     def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
-        from rl.backends.hf.decode import generate
-
         if self._model is None:
             msg = "the transformers generation back-end holds no weights yet: call refit(version) first"
             raise RuntimeError(msg)
-        from rl.lengths import MODEL_LIMIT, check_fits
 
         g = self._cfg.generation
         limit = getattr(self._model.config, "max_position_embeddings", None) or 1 << 30
@@ -68,7 +68,6 @@ class HFGeneration(GenerationBackend):
         )
 
     def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        from rl.backends.hf.model import load_model
         from rl.checkpoint import local_folder
 
         if weights is None:
@@ -87,8 +86,8 @@ class HFGeneration(GenerationBackend):
 
     def _dtype(self) -> torch.dtype:
         """bfloat16 on a GPU where ``model.precision`` resolves to it; float32 elsewhere (the CPU keeps float32 weights
-        under autocast, which with the exact-logit LM head (`rl.backends.hf.lm_head`) matches the trainer's logprobs)."""
-        from rl.precision import resolve
+        under autocast, which with the exact-logit LM head (`rl.backends.hf.lm_head`) matches the trainer's
+        logprobs)."""
 
         if torch.cuda.is_available() and resolve(self._cfg.model.precision, "cuda") == "bfloat16":
             return torch.bfloat16

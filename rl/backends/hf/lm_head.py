@@ -139,9 +139,10 @@ def lm_head(model: torch.nn.Module, precision: str) -> LMHead:
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if not isinstance(head, torch.nn.Linear) or head.bias is not None or softcap:
         msg = (
-            f"{type(model).__name__}'s output layer ({type(head).__name__}, bias={getattr(head, 'bias', None) is not None}, "
-            f"final_logit_softcapping={softcap}) is not a bias-free linear map; grpoflow supports decoder LMs whose logits "
-            "are hidden @ W.T (Llama, Qwen, SmolLM, Mistral)"
+            f"{type(model).__name__}'s output layer ({type(head).__name__}, "
+            f"bias={getattr(head, 'bias', None) is not None}, "
+            f"final_logit_softcapping={softcap}) is not a bias-free linear map; grpoflow supports decoder LMs whose "
+            "logits are hidden @ W.T (Llama, Qwen, SmolLM, Mistral)"
         )
         raise ValueError(msg)
     return LMHead(

@@ -1,8 +1,8 @@
 """Per-token logprobs of given sequences under a model (policy, reference policy, or the training forward).
 
-Owns the forward pass -> logprob reduction: the trunk over the padded micro-batch, the LM head (`rl.backends.hf.lm_head`)
-only over the wanted positions, packed; log_softmax over the vocabulary is never materialized. Index maths runs on the
-host, the forward on the model's device.
+Owns the forward pass -> logprob reduction: the trunk over the padded micro-batch, the LM head
+(`rl.backends.hf.lm_head`) only over the wanted positions, packed; log_softmax over the vocabulary is never
+materialized. Index maths runs on the host, the forward on the model's device.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rl.backends.hf.lm_head import lm_head
+from rl.backends.micro_batch import micro_batch_slices
 from rl.precision import autocast, device_of, on_accelerator, to_device
 
 
@@ -232,7 +233,8 @@ def batched_logprobs(
     max_tokens: int | None = None,
 ) -> torch.Tensor:
     """:func:`forward_logprobs` over micro-batches of consecutive rows, at most ``batch_size`` rows (None: no cap) and
-    ``max_tokens`` padded tokens (None: no budget) each (`rl.backends.engine.micro_batch_slices`), without gradients.
+    ``max_tokens`` padded tokens (None: no budget) each (`rl.backends.micro_batch.micro_batch_slices`), without
+    gradients.
 
     Args:
         token_mask: [N, S] bool, True on response tokens: the only tokens whose logprobs are computed.
@@ -240,7 +242,6 @@ def batched_logprobs(
     Returns:
         [N, S] float32 on the host, 0 outside ``token_mask``: computed into one device buffer, copied back once.
     """
-    from rl.backends.engine import micro_batch_slices
 
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device_of(model))  # [N, S]
     with torch.no_grad(), autocast(model, precision):  # one block: weights are cast once (when they require grad)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rl.model import model_construction
+
 
 def default_attention(device: Any) -> str:
     """``sdpa`` on a GPU (fused attention kernels), ``eager`` on the CPU: there, the KV-cached decode of generation and
@@ -30,8 +32,6 @@ def load_model(path: str, attn_implementation: str | None = None, *, dtype: Any 
     """
     import torch
     from transformers import AutoModelForCausalLM
-
-    from rl.model import model_construction
 
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     with model_construction():

@@ -1,5 +1,6 @@
 """The transformers policy back-end: shared-prompt logprobs, the packed LM head and the micro-batched GRPO update
-(`rl.backends.hf.logprobs`, `.lm_head`, `.train`) behind :class:`rl.backends.interfaces.PolicyBackend`."""
+(`rl.backends.hf.logprobs`, `.lm_head`, `.train`) behind :class:`rl.backends.interfaces.PolicyBackend`; the loading,
+version and optimizer bookkeeping is :class:`rl.backends.policy_base.TrainablePolicy`'s."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ from typing import Any
 import torch
 
 from dataplane import fields as F
-from rl.backends.interfaces import PolicyBackend, PolicyVersion, TopkLogits
-from rl.config import GRPOConfig
+from rl import checkpoint
+from rl.backends.hf.lm_head import lm_head
+from rl.backends.hf.logprobs import batched_logprobs, hidden_states
+from rl.backends.hf.model import load_model
+from rl.backends.hf.train import train_on_batch
+from rl.backends.interfaces import TopkLogits
+from rl.backends.micro_batch import micro_batch_limits
+from rl.backends.policy_base import TrainablePolicy
+from rl.precision import autocast, device_of, resolve, to_device
 
 
-class HFPolicy(PolicyBackend):
+class HFPolicy(TrainablePolicy):
     """A Hugging Face causal LM with AdamW, and the base model as the reference policy.
 
     Nothing is loaded at construction: the policy weights on :meth:`load_checkpoint`, the optimizer only when
@@ -29,65 +37,11 @@ class HFPolicy(PolicyBackend):
 
     name = "transformers"
 
-    def __init__(self, cfg: GRPOConfig, *, tokenizer: Any, reference_path: str) -> None:
-        self._cfg = cfg
-        self._tokenizer = tokenizer
-        self._reference_path = reference_path
-        self._model: torch.nn.Module | None = None
-        self._reference: torch.nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._scheduler: Any = None
-        self._version: int | None = None
-        self._optimizer_version: int | None = None
-
     # ------------------------------------------------------------------------------------------ state
-    @property
-    def weight_version(self) -> int | None:
-        return self._version
-
-    @property
-    def pad_token_id(self) -> int:
-        return int(self._tokenizer.pad_token_id)
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The policy module (for benchmarks and tests that look inside).
-
-        Raises:
-            RuntimeError: no weights loaded yet.
-        """
-        if self._model is None:
-            msg = "the transformers policy holds no weights yet: call load_checkpoint(version) first"
-            raise RuntimeError(msg)
-        return self._model
-
-    def has_optimizer_state(self, version: PolicyVersion) -> bool:
-        return self._optimizer is not None and self._version == version.step and self._optimizer_version == version.step
-
-    def load_checkpoint(self, version: PolicyVersion, *, with_optimizer: bool) -> None:
-        from rl import checkpoint
-        from rl.backends.hf.model import load_model
-        from rl.backends.hf.train import make_optimizer
-
-        so = self._cfg.dataplane.storage_options
-        if with_optimizer:
-            checkpoint.require_trainer_state(version.path, version.step, so)
-        with checkpoint.local_folder(
-            version.path, so, require_complete=version.step > 0, weights_only=not with_optimizer
-        ) as folder:
-            if self._model is None or self._version != version.step:
-                self._model = load_model(folder)
-                self._optimizer = self._scheduler = self._optimizer_version = None
-                self._version = version.step
-            if with_optimizer:
-                self._optimizer, self._scheduler = make_optimizer(self._model, self._cfg)
-                if version.step != 0:
-                    checkpoint.load_trainer_state(folder, self._optimizer, self._scheduler)
-                self._optimizer_version = version.step
+    def _load_weights(self, folder: str) -> torch.nn.Module:
+        return load_model(folder)
 
     def save_checkpoint(self, url: str, *, trainer_state: Any | None = None, serving_dtype: str | None = None) -> str:
-        from rl import checkpoint
-
         with_state = trainer_state is not None
         return checkpoint.save(
             url,
@@ -104,13 +58,8 @@ class HFPolicy(PolicyBackend):
         return self.model.state_dict().items()
 
     # ------------------------------------------------------------------------------------ forward passes
-    def get_logprobs(self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
-        return self._logprobs(self.model, batch, micro_batch_size)
-
     def load_reference_policy(self) -> None:
         if self._reference is None:
-            from rl.backends.hf.model import load_model
-
             self._reference = load_model(self._reference_path, dtype=self._reference_dtype())
             self._reference.requires_grad_(False)
 
@@ -118,7 +67,6 @@ class HFPolicy(PolicyBackend):
         """bfloat16 on CUDA where ``model.precision`` resolves to bfloat16: the frozen reference needs no float32
         master copy (half the memory, and no per-forward weight cast: autocast caches casts only of weights that
         require grad). float32 on the CPU, where its logprobs stay those of the float32 base model."""
-        from rl.precision import resolve
 
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         return (
@@ -127,19 +75,9 @@ class HFPolicy(PolicyBackend):
             else torch.float32
         )
 
-    def get_reference_policy_logprobs(
-        self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None
-    ) -> torch.Tensor:
-        self.load_reference_policy()
-        return self._logprobs(self._reference, batch, micro_batch_size)
-
     def _logprobs(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None
     ) -> torch.Tensor:
-        from rl.backends.engine import micro_batch_limits
-        from rl.backends.hf.logprobs import batched_logprobs
-        from rl.precision import device_of
-
         rows, tokens = micro_batch_limits(self._cfg, model.config, device_of(model), train=False)
         if micro_batch_size is not None:  # the caller's row count, alone
             rows, tokens = micro_batch_size, None
@@ -162,9 +100,6 @@ class HFPolicy(PolicyBackend):
         The LM head runs in ``model.precision``; under bf16 its ``EXACT_TOP_K`` largest logits per position are
         exact float32 (`rl.backends.hf.lm_head`), the rest bf16-rounded.
         """
-        from rl.backends.hf.lm_head import lm_head
-        from rl.backends.hf.logprobs import hidden_states
-        from rl.precision import autocast, device_of, to_device
 
         model, precision = self.model, self._cfg.model.precision
         ids, lengths = batch[F.INPUT_IDS], batch[F.INPUT_LENGTHS]
@@ -195,39 +130,5 @@ class HFPolicy(PolicyBackend):
         return TopkLogits(topk_logits=values, topk_indices=indices)
 
     # ------------------------------------------------------------------------------------------ training
-    def prepare_for_training(self) -> None:
-        if self._optimizer is None or self._optimizer_version != self._version:
-            msg = "prepare_for_training: no optimizer state for the held weights; call load_checkpoint(version, with_optimizer=True)"
-            raise RuntimeError(msg)
-        self.model.train()
-
-    def finish_training(self) -> None:
-        if self._model is not None:
-            self._model.eval()
-            self._model.zero_grad(set_to_none=True)
-
-    def train(
-        self, batch: Mapping[str, torch.Tensor], *, update_sizes: Sequence[int] | None = None
-    ) -> dict[str, float]:
-        from rl.backends.hf.train import train_on_batch
-
-        if self._optimizer is None or self._optimizer_version != self._version:
-            msg = "train: no optimizer state for the held weights; call load_checkpoint(version, with_optimizer=True)"
-            raise RuntimeError(msg)
-        assert self._version is not None
-        try:
-            metrics = train_on_batch(
-                self.model, self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes
-            )
-        except BaseException:
-            # the weights may be half-updated: drop them, so nothing uses them as any version
-            self._model = self._optimizer = self._scheduler = self._version = self._optimizer_version = None
-            raise
-        self._version += 1
-        self._optimizer_version = self._version
-        return metrics
-
-    def shutdown(self) -> bool:
-        self._model = self._reference = self._optimizer = self._scheduler = None
-        self._version = self._optimizer_version = None
-        return True
+    def _update(self, batch: Mapping[str, torch.Tensor], update_sizes: Sequence[int] | None) -> dict[str, float]:
+        return train_on_batch(self.model, self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes)

@@ -1,14 +1,15 @@
 """The decode loop on a static KV cache, whose one-token step is captured once as a CUDA graph and replayed per token
 (``generation.cuda_graphs``): on a small model the GPU otherwise waits for Python to launch each layer's kernels.
 
-Owns the static-cache loop only; sampling and the output buffers are `rl.backends.hf.decode`'s.
+Owns the static-cache loop only; sampling, the prefill and the output buffers are `rl.backends.hf.sampling`'s, the
+choice of this loop over the dynamic one `rl.backends.hf.decode.generate`'s.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rl.backends.hf.decode import SYNC_EVERY, Completions, _left_pad, next_tokens, one_token_mask
+from rl.backends.hf import sampling
 from rl.backends.hf.lm_head import LMHead, lm_head
 from rl.backends.hf.logprobs import hidden_states
 from rl.precision import autocast, device_of, runs_bf16, to_device
@@ -59,7 +60,7 @@ class OneTokenStep:
         hidden = hidden_states(
             self.model,
             self.ids,
-            one_token_mask(self.model, self.keep),
+            sampling.one_token_mask(self.model, self.keep),
             precision=self.precision,
             position_ids=self.positions,
             past_key_values=self.cache,
@@ -95,26 +96,15 @@ def stored_in_compute_dtype(model: torch.nn.Module, precision: str) -> bool:
 
 
 def decode_static(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    *,
-    pad_id: int,
-    eos_id: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    greedy: bool,
-    precision: str,
-    generator: torch.Generator | None,
-    graph: bool,
+    model: torch.nn.Module, prompts: list[list[int]], settings: sampling.DecodeSettings, *, graph: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode ``prompts`` on a static KV cache of prompt + ``max_new_tokens`` positions; returns, on the host,
-    :meth:`rl.backends.hf.decode.Completions.to_host`.
+    """Decode ``prompts`` on a static KV cache of prompt + ``settings.max_new_tokens`` positions; returns, on the
+    host, :meth:`rl.backends.hf.sampling.Completions.to_host`.
 
     Unlike the dynamic loop (`rl.backends.hf.decode`), every row is prefilled (a group's prompt G times) and stays in
     the batch to the end, finished or not (their tokens discarded): the step's shapes never change, so one graph
-    serves every token. The open rows are read every :data:`rl.backends.hf.decode.SYNC_EVERY` tokens, to stop once all
-    have produced eos. ``graph`` (CUDA only) captures the step (:class:`OneTokenStep`).
+    serves every token. The open rows are read every :data:`rl.backends.hf.sampling.SYNC_EVERY` tokens, to stop once
+    all have produced eos. ``graph`` (CUDA only) captures the step (:class:`OneTokenStep`).
 
     Raises:
         ValueError: ``model`` would run under autocast (float32 weights, ``precision`` resolving to bf16): the static
@@ -122,30 +112,24 @@ def decode_static(
     """
     from transformers import StaticCache
 
+    precision = settings.precision
     if not stored_in_compute_dtype(model, precision):
-        msg = f"a static-cache decode needs the model stored in its compute dtype; it is {next(model.parameters()).dtype} under precision {precision!r}"
+        msg = (
+            "a static-cache decode needs the model stored in its compute dtype; it is "
+            f"{next(model.parameters()).dtype} under precision {precision!r}"
+        )
         raise ValueError(msg)
     device = device_of(model)
-    n, t_max = len(prompts), max_new_tokens
-    ids, attn = _left_pad(prompts, pad_id)  # [n, P] each, host
-    pos = (attn.cumsum(-1) - 1).clamp_(min=0)  # [n, P]
+    n, t_max = len(prompts), settings.max_new_tokens
+    ids, attn, pos = sampling.left_pad(prompts, settings.pad_id)  # [n, P] each, host
     width = ids.shape[1]  # P
     keep = torch.cat([attn[:, :-1].bool(), torch.zeros(n, t_max, dtype=torch.bool)], 1)  # [n, P - 1 + T]
     ids, attn, pos, keep = (to_device(x, device) for x in (ids, attn, pos, keep))
-    out = Completions(n, t_max, pad_id=pad_id, eos_id=eos_id, device=device)
+    out = sampling.Completions(n, t_max, pad_id=settings.pad_id, eos_id=settings.eos_id, device=device)
     head = lm_head(model, precision)
     with torch.no_grad(), autocast(model, precision):
         cache = StaticCache(config=model.config, max_cache_len=width - 1 + t_max)
-        if width > 1:  # all but the last prompt token of every row
-            hidden_states(
-                model,
-                ids[:, :-1],
-                attn[:, :-1],
-                precision=precision,
-                position_ids=pos[:, :-1],
-                past_key_values=cache,
-                use_cache=True,
-            )
+        sampling.prefill(model, ids, attn, pos, cache, precision)  # every row
         step = OneTokenStep(
             model,
             head,
@@ -161,11 +145,9 @@ def decode_static(
         live = torch.ones(n, dtype=torch.bool, device=device)  # [n] rows still open
         for t in range(t_max):
             logits, hidden = step()
-            nxt, lp = next_tokens(
-                head, hidden, logits, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator
-            )
+            nxt, lp = sampling.next_tokens(head, hidden, logits, settings)
             live = out.record(rows, t, nxt, lp, live)
-            if (t + 1) % SYNC_EVERY == 0 and not bool(live.any()):  # waits for the device
+            if (t + 1) % sampling.SYNC_EVERY == 0 and not bool(live.any()):  # waits for the device
                 break
             step.ids.copy_(nxt[:, None])
     return out.to_host()

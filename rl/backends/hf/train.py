@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from dataplane import fields as F
+from dataplane.fields import LOSS_FIELDS
+from rl import distributed
 from rl.backends.engine import (  # noqa: F401 (re-exported: the update's public names)
-    LOSS_FIELDS,
     LossFn,
     MicroBatchLoss,
     TrainEngine,
@@ -20,7 +22,6 @@ from rl.backends.engine import (  # noqa: F401 (re-exported: the update's public
     make_optimizer,
     step_batch,
 )
-from rl.backends.engine import train_on_batch as _train
 from rl.backends.hf.logprobs import forward_logprobs
 from rl.config import GRPOConfig
 from rl.precision import autocast, device_of, on_accelerator, to_device
@@ -55,15 +56,16 @@ class HFTrainEngine(TrainEngine):
         out = []
         for where in slices:
             mb = rows[where]
-            width = int(mb["input_lengths"].max())
-            cut = mb.apply(lambda v: v[:, :width] if v.dim() == 2 else v)  # noqa: B023 (host; the loss copies its fields)
+            width = int(mb[F.INPUT_LENGTHS].max())
+            # host; the loss copies its fields
+            cut = mb.apply(lambda v: v[:, :width] if v.dim() == 2 else v)  # noqa: B023
             logprobs = forward_logprobs(
                 self.model,
-                cut["input_ids"],
-                cut["input_lengths"],
+                cut[F.INPUT_IDS],
+                cut[F.INPUT_LENGTHS],
                 precision=self.cfg.model.precision,
                 temperature=self.cfg.generation.temperature,
-                token_mask=cut["token_mask"],
+                token_mask=cut[F.TOKEN_MASK],
             )  # [m, w] on the device
             fields = {k: to_device(cut[k], self.device) for k in LOSS_FIELDS if k in cut.keys()}
             result = loss_fn(logprobs, fields)
@@ -72,8 +74,6 @@ class HFTrainEngine(TrainEngine):
         return out
 
     def finish_gradients(self, max_norm: float) -> torch.Tensor:
-        from rl import distributed
-
         distributed.all_reduce_gradients(self.model.parameters())  # sum over ranks: the whole update's gradient
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).to(
             self.device
@@ -89,9 +89,9 @@ def train_on_batch(
     *,
     update_sizes: Sequence[int] | None = None,
 ) -> dict[str, float]:
-    """:func:`rl.backends.engine.train_on_batch` on a Hugging Face model (:class:`HFTrainEngine`): same arguments,
-    metrics and errors."""
-    return _train(HFTrainEngine(model, cfg), optimizer, scheduler, batch, cfg, update_sizes=update_sizes)
+    """:meth:`rl.backends.engine.TrainEngine.train_batch` on a Hugging Face model (:class:`HFTrainEngine`): same
+    arguments, metrics and errors."""
+    return HFTrainEngine(model, cfg).train_batch(optimizer, scheduler, batch, cfg, update_sizes=update_sizes)
 
 
 class _EmbeddingRows(torch.autograd.Function):

@@ -5,9 +5,9 @@ copied, never computed, so every round trip is bit-identical.
 Layouts (megatron-core 0.16; Megatron-Bridge's Llama ``QKVMapping`` and ``GatedMLPMapping`` are the reference):
 
 - ``self_attention.linear_qkv`` (``ColumnParallelLinear``) holds q, k and v interleaved by query group: for each of the
-  ``nkv`` groups, its ``nq / nkv`` query heads, then its key head, then its value head (``d`` rows each). ``SelfAttention``
-  views the output as ``[..., ng, (nq / ng + 2) * d]`` and splits the last dimension, so a tensor-parallel rank holding
-  ``nkv / t`` consecutive groups holds a contiguous block of rows.
+  ``nkv`` groups, its ``nq / nkv`` query heads, then its key head, then its value head (``d`` rows each).
+  ``SelfAttention`` views the output as ``[..., ng, (nq / ng + 2) * d]`` and splits the last dimension, so a
+  tensor-parallel rank holding ``nkv / t`` consecutive groups holds a contiguous block of rows.
 - ``mlp.linear_fc1`` (``ColumnParallelLinear``, ``gated_linear_unit``) is ``cat(gate, up)``; megatron's SwiGLU chunks
   each rank's output in two, so a rank holds ``cat(gate_r, up_r)``, not a contiguous block of the full matrix.
 - ``linear_proj`` and ``linear_fc2`` (``RowParallelLinear``) are split along their input (column) dimension; the word
@@ -44,7 +44,8 @@ dim 0 each split along dim 0."""
 _TOP_LEVEL_SPLIT = {EMBEDDING: _ROWS, FINAL_LAYERNORM: _REPLICATED, OUTPUT_LAYER: _ROWS}
 _LAYER_SPLIT = {
     "input_layernorm.weight": _REPLICATED,
-    "self_attention.linear_qkv.layer_norm_weight": _REPLICATED,  # Transformer Engine: input_layernorm fused into linear_qkv
+    # Transformer Engine: input_layernorm fused into linear_qkv
+    "self_attention.linear_qkv.layer_norm_weight": _REPLICATED,
     "self_attention.linear_qkv.weight": _ROWS,
     "self_attention.linear_qkv.bias": _ROWS,
     "self_attention.linear_proj.weight": _COLUMNS,
@@ -89,7 +90,10 @@ class LlamaLayout:
                 msg = f"LlamaLayout.{name} is {getattr(self, name)}; use 1 or more"
                 raise ValueError(msg)
         if self.num_attention_heads % self.num_query_groups:
-            msg = f"LlamaLayout: {self.num_query_groups} key-value heads do not divide {self.num_attention_heads} attention heads"
+            msg = (
+                f"LlamaLayout: {self.num_query_groups} key-value heads do not divide {self.num_attention_heads} "
+                f"attention heads"
+            )
             raise ValueError(msg)
 
     @classmethod
@@ -102,14 +106,20 @@ class LlamaLayout:
         """
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            msg = f"model: model_type {model_type!r} is not supported by the megatron back-end (only {', '.join(SUPPORTED_MODEL_TYPES)} are); use policy.backend 'transformers'"
+            msg = (
+                f"model: model_type {model_type!r} is not supported by the megatron back-end (only "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} are); use policy.backend 'transformers'"
+            )
             raise ValueError(msg)
         for flag, what in (
             ("attention_bias", "biases on q_proj, k_proj, v_proj and o_proj"),
             ("mlp_bias", "biases on the MLP projections"),
         ):
             if getattr(config, flag, False):
-                msg = f"model: {flag}=True ({what}) is not supported by the megatron back-end (q/k/v biases alone are, as in Qwen2); use policy.backend 'transformers'"
+                msg = (
+                    f"model: {flag}=True ({what}) is not supported by the megatron back-end (q/k/v biases alone are, "
+                    f"as in Qwen2); use policy.backend 'transformers'"
+                )
                 raise ValueError(msg)
         heads = config.num_attention_heads
         return cls(
@@ -133,7 +143,10 @@ class LlamaLayout:
         """Megatron-LM's padded vocabulary: ``vocab_size`` rounded up to a multiple of
         ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (every rank gets an equal, aligned share)."""
         if make_vocab_size_divisible_by < 1 or tensor_model_parallel_size < 1:
-            msg = f"padded_vocab_size needs sizes of 1 or more, not {make_vocab_size_divisible_by} and {tensor_model_parallel_size}"
+            msg = (
+                f"padded_vocab_size needs sizes of 1 or more, not {make_vocab_size_divisible_by} and "
+                f"{tensor_model_parallel_size}"
+            )
             raise ValueError(msg)
         multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
@@ -163,7 +176,10 @@ def check_parallel_layout(
             ok = [t for t in _divisors(layout.num_query_groups) if all(n % t == 0 for n, _ in splits)]
             (heads, _), (groups, _), (ffn, _) = splits
             every = f"{heads} attention heads, {groups} key-value heads and {ffn} MLP channels"
-            msg = f"config policy.megatron_cfg.tensor_model_parallel_size: {tp} does not divide the model's {count} {what}; use one of {_listed(ok)} (they divide its {every})"
+            msg = (
+                f"config policy.megatron_cfg.tensor_model_parallel_size: {tp} does not divide the model's {count} "
+                f"{what}; use one of {_listed(ok)} (they divide its {every})"
+            )
             raise ValueError(msg)
     _check_pipeline_size(layout.num_layers, pp)
 
@@ -301,7 +317,10 @@ def merge_tensor_parallel(shards: Sequence[Mapping[str, Tensor]], layout: LlamaL
     parts = [_weights(shard) for shard in shards]
     for rank, part in enumerate(parts[1:], start=1):
         if part.keys() != parts[0].keys():
-            msg = f"tensor-parallel rank {rank} has other weights than rank 0: {_listed(sorted(part.keys() ^ parts[0].keys()))}"
+            msg = (
+                f"tensor-parallel rank {rank} has other weights than rank 0: "
+                f"{_listed(sorted(part.keys() ^ parts[0].keys()))}"
+            )
             raise ValueError(msg)
     merged = {}
     for key in parts[0]:
@@ -381,7 +400,10 @@ def merge_pipeline_stages(stages: Sequence[Mapping[str, Tensor]], layout: LlamaL
                     raise ValueError(msg)
                 merged[f"decoder.layers.{layers.start + layer}.{name}"] = tensor.clone()
             elif (key == EMBEDDING and not first) or (key != EMBEDDING and not last):
-                msg = f"pipeline stage {rank} of {len(stages)} has {key}, which belongs to the {'first' if key == EMBEDDING else 'last'} stage"
+                msg = (
+                    f"pipeline stage {rank} of {len(stages)} has {key}, which belongs to the "
+                    f"{'first' if key == EMBEDDING else 'last'} stage"
+                )
                 raise ValueError(msg)
             elif key == OUTPUT_LAYER and layout.tie_word_embeddings:
                 _check_tied_copy(tensor, stages[0])
@@ -393,7 +415,10 @@ def merge_pipeline_stages(stages: Sequence[Mapping[str, Tensor]], layout: LlamaL
 def _check_tied_copy(copy: Tensor, first_stage: Mapping[str, Tensor]) -> None:
     """Check the last stage's copy of the tied word embeddings against the first stage's."""
     if EMBEDDING not in first_stage or not torch.equal(copy, first_stage[EMBEDDING]):
-        msg = f"the last pipeline stage's {OUTPUT_LAYER} (the tied copy of the word embeddings) differs from the first stage's {EMBEDDING}"
+        msg = (
+            f"the last pipeline stage's {OUTPUT_LAYER} (the tied copy of the word embeddings) differs from the first "
+            f"stage's {EMBEDDING}"
+        )
         raise ValueError(msg)
 
 
@@ -484,7 +509,11 @@ def _megatron_shapes(layout: LlamaLayout, vocab_rows: int, te_layernorm: bool) -
 def _checked(
     sd: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]], what: str, *, ignore: Callable[[str], bool]
 ) -> dict[str, Tensor]:
-    """``sd`` without its ignored keys, once its keys and shapes are exactly ``shapes``'s (else a ValueError naming them)."""
+    """``sd`` without its ignored keys, once its keys and shapes are exactly ``shapes``'s.
+
+    Raises:
+        ValueError: naming the missing, unknown or misshapen keys.
+    """
     kept = {k: v for k, v in sd.items() if not ignore(k)}
     missing, unknown = [k for k in shapes if k not in kept], [k for k in kept if k not in shapes]
     if missing or unknown:
@@ -508,7 +537,10 @@ def _parse_key(key: str) -> tuple[int | None, str]:
         return int(match[1]), match[2]
     if key in _TOP_LEVEL_SPLIT:
         return None, key
-    msg = f"{key!r} is not a weight of megatron-core's GPTModel for a Llama-family model (those are {_listed(_TOP_LEVEL_SPLIT)} and decoder.layers.<i>.{{{_listed(_LAYER_SPLIT)}}})"
+    msg = (
+        f"{key!r} is not a weight of megatron-core's GPTModel for a Llama-family model (those are "
+        f"{_listed(_TOP_LEVEL_SPLIT)} and decoder.layers.<i>.{{{_listed(_LAYER_SPLIT)}}})"
+    )
     raise ValueError(msg)
 
 
@@ -537,7 +569,10 @@ def _is_extra_state(key: str) -> bool:
 
 def _check_pipeline_size(num_layers: int, size: int) -> None:
     if size < 1 or num_layers % size:
-        msg = f"config policy.megatron_cfg.pipeline_model_parallel_size: {size} does not divide the model's {num_layers} layers; use one of {_listed(_divisors(num_layers))}"
+        msg = (
+            f"config policy.megatron_cfg.pipeline_model_parallel_size: {size} does not divide the model's {num_layers} "
+            f"layers; use one of {_listed(_divisors(num_layers))}"
+        )
         raise ValueError(msg)
 
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from rl.backends.megatron.convert import (
     LlamaLayout,
@@ -44,7 +46,6 @@ def init_model_parallel(mcfg: MegatronConfig, *, seed: int) -> None:
         ValueError: the sizes differ from those the process already initialized, or do not divide the world.
         RuntimeError: CUDA ranks that joined over gloo (fewer GPUs than ranks on a node).
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
@@ -56,7 +57,8 @@ def init_model_parallel(mcfg: MegatronConfig, *, seed: int) -> None:
     if torch.cuda.is_available() and dist.get_world_size() > 1 and str(dist.get_backend()) != "nccl":
         msg = (
             f"the megatron back-end needs a GPU per rank (NCCL), but these {dist.get_world_size()} ranks run on gloo: "
-            f"{torch.cuda.device_count()} GPUs for {os.environ.get('LOCAL_WORLD_SIZE', '?')} local ranks; set policy.nproc_per_node to the GPUs per node"
+            f"{torch.cuda.device_count()} GPUs for {os.environ.get('LOCAL_WORLD_SIZE', '?')} local ranks; set "
+            f"policy.nproc_per_node to the GPUs per node"
         )
         raise RuntimeError(msg)
     sizes = (mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size)
@@ -67,14 +69,18 @@ def init_model_parallel(mcfg: MegatronConfig, *, seed: int) -> None:
             parallel_state.get_context_parallel_world_size(),
         )
         if held != sizes:
-            msg = f"this process already split its ranks as tensor x pipeline x context parallel = {held}; the config asks for {sizes}"
+            msg = (
+                f"this process already split its ranks as tensor x pipeline x context parallel = {held}; the config "
+                f"asks for {sizes}"
+            )
             raise ValueError(msg)
         return
     world = dist.get_world_size()
     if world % (sizes[0] * sizes[1] * sizes[2]):
         msg = (
             f"config policy.megatron_cfg: tensor x pipeline x context parallel sizes {sizes} need a multiple of "
-            f"{sizes[0] * sizes[1] * sizes[2]} ranks, but the task has {world}; set policy.nproc_per_node (and nnodes) to match"
+            f"{sizes[0] * sizes[1] * sizes[2]} ranks, but the task has {world}; set policy.nproc_per_node (and nnodes) "
+            f"to match"
         )
         raise ValueError(msg)
     parallel_state.initialize_model_parallel(
@@ -104,7 +110,10 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
         params.get("original_max_position_embeddings", 8192),
     ) == (1.0, 4.0, 8192):
         return {"rotary_base": base, "rope_scaling": True, "rope_scaling_factor": params.get("factor", 8.0)}
-    msg = f"model: RoPE {params} is not supported by the megatron back-end (plain RoPE and Llama 3's default scaling are); use policy.backend 'transformers'"
+    msg = (
+        f"model: RoPE {params} is not supported by the megatron back-end (plain RoPE and Llama 3's default scaling "
+        f"are); use policy.backend 'transformers'"
+    )
     raise ValueError(msg)
 
 
@@ -121,7 +130,10 @@ def check_model(hf_config: Any, mcfg: MegatronConfig) -> LlamaLayout:
     layout = LlamaLayout.from_hf_config(hf_config)
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
-        msg = f"model: hidden_act {act!r} is not supported by the megatron back-end (SwiGLU with silu is); use policy.backend 'transformers'"
+        msg = (
+            f"model: hidden_act {act!r} is not supported by the megatron back-end (SwiGLU with silu is); use "
+            f"policy.backend 'transformers'"
+        )
         raise ValueError(msg)
     rope_settings(hf_config)
     check_parallel_layout(
@@ -150,7 +162,6 @@ def transformer_config(
     Raises:
         ValueError: what :func:`check_model` raises.
     """
-    import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_model(hf_config, mcfg)
@@ -182,7 +193,8 @@ def transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        calculate_per_token_loss=True,  # the schedule leaves each micro-batch's loss as it is: ours is already globally normalized
+        # the schedule leaves each micro-batch's loss as it is: ours is already globally normalized
+        calculate_per_token_loss=True,
     )
 
 
@@ -196,11 +208,13 @@ def build_gpt_model(
 ) -> Any:
     """This rank's stage of megatron-core's ``GPTModel`` (its tensor-parallel shard of its pipeline stage), with
     freshly initialised weights, in eval mode; load real ones with :func:`load_hf_state_dict`. Its LM head runs in
-    in ``compute_dtype`` on the positions a caller names, float32 on every position otherwise (:func:`selective_lm_head`).
+    ``compute_dtype`` on the positions a caller names, float32 on every position otherwise
+    (:func:`selective_lm_head`).
 
     The layers are Transformer Engine's when it is installed, megatron-core's local ones otherwise (those have neither
     context nor sequence parallelism), with torch's ``scaled_dot_product_attention`` as their core attention
-    (:func:`sdpa_attention_class`: flash attention on CUDA instead of the local spec's unfused softmax over [b, h, s, s]). Needs :func:`init_model_parallel` first.
+    (:func:`sdpa_attention_class`: flash attention on CUDA instead of the local spec's unfused softmax over
+    [b, h, s, s]). Needs :func:`init_model_parallel` first.
 
     Raises:
         ValueError: ``context_parallel_size`` > 1 or ``sequence_parallel`` without Transformer Engine; what
@@ -212,10 +226,16 @@ def build_gpt_model(
 
     te = has_transformer_engine()
     if mcfg.context_parallel_size > 1 and not te:
-        msg = "config policy.megatron_cfg.context_parallel_size > 1 needs Transformer Engine's attention (pip install transformer-engine[pytorch]); use 1 without it"
+        msg = (
+            "config policy.megatron_cfg.context_parallel_size > 1 needs Transformer Engine's attention (pip install "
+            "transformer-engine[pytorch]); use 1 without it"
+        )
         raise ValueError(msg)
     if mcfg.sequence_parallel and not te:
-        msg = "config policy.megatron_cfg.sequence_parallel needs Transformer Engine's layernorm (pip install transformer-engine[pytorch]); set it to false without it"
+        msg = (
+            "config policy.megatron_cfg.sequence_parallel needs Transformer Engine's layernorm (pip install "
+            "transformer-engine[pytorch]); set it to false without it"
+        )
         raise ValueError(msg)
     if te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -361,8 +381,8 @@ def uses_te_layernorm(model: torch.nn.Module) -> bool:
 def load_hf_state_dict(
     model: torch.nn.Module, hf: Mapping[str, torch.Tensor], layout: LlamaLayout, mcfg: MegatronConfig
 ) -> None:
-    """Copy the whole model's HF weights into this rank's shard of ``model`` (converted, split by tensor-parallel rank and
-    pipeline stage).
+    """Copy the whole model's HF weights into this rank's shard of ``model`` (converted, split by tensor-parallel rank
+    and pipeline stage).
 
     Raises:
         ValueError: the converted shard and the module disagree on names or shapes (named).
@@ -383,7 +403,10 @@ def load_hf_state_dict(
     )
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if set(own) != set(mc):
-        msg = f"megatron weights do not fit the model: missing {sorted(set(own) - set(mc))}, unexpected {sorted(set(mc) - set(own))}"
+        msg = (
+            f"megatron weights do not fit the model: missing {sorted(set(own) - set(mc))}, unexpected "
+            f"{sorted(set(mc) - set(own))}"
+        )
         raise ValueError(msg)
     wrong = [f"{k}: {tuple(mc[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if mc[k].shape != v.shape]
     if wrong:
@@ -400,18 +423,19 @@ def local_shard(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 _REPLICA_GROUP: dict[int, Any] = {}
-"""The gloo group of the model-parallel ranks of replica 0, per world size (created once: ``new_group`` is collective)."""
+"""The gloo group of the model-parallel ranks of replica 0, per world size (created once: ``new_group`` is
+collective)."""
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:
     """Collective: ``obj`` of every model-parallel rank (tensor x pipeline) of data-parallel replica 0, context-parallel
     rank 0, on global rank 0 in group order; None on every other rank.
 
-    The objects travel over a gloo group of just those ranks, so they are pickled in host memory (``gather_object`` over
-    NCCL would stage ranks x the largest object on rank 0's GPU), and the other replicas, which hold copies, send nothing.
+    The objects travel over a gloo group of just those ranks, so they are pickled in host memory (``gather_object``
+    over NCCL would stage ranks x the largest object on rank 0's GPU), and the other replicas, which hold copies, send
+    nothing.
     Without model parallelism rank 0 holds everything: ``[obj]`` there, no communication.
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     rank = dist.get_rank()
@@ -461,8 +485,8 @@ def gather_hf_state_dict(
 
 
 class HFFolder:
-    """A whole model's HF state dict and config with ``save_pretrained(folder)``, what ``rl.checkpoint.save`` writes: the
-    transformers model class is built on the meta device and handed the tensors, so the folder is exactly what
+    """A whole model's HF state dict and config with ``save_pretrained(folder)``, what ``rl.checkpoint.save`` writes:
+    the transformers model class is built on the meta device and handed the tensors, so the folder is exactly what
     ``AutoModelForCausalLM.from_pretrained`` reads (tied weights, sharding of large models)."""
 
     def __init__(self, hf_config: Any, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -29,7 +29,10 @@ def context_parallel_split(x: torch.Tensor, *, rank: int, size: int, dim: int = 
         return x
     s = x.shape[dim]
     if s % (2 * size):
-        msg = f"context parallelism over {size} ranks splits sequences into {2 * size} chunks, but the length {s} is not a multiple of {2 * size}"
+        msg = (
+            f"context parallelism over {size} ranks splits sequences into {2 * size} chunks, but the length {s} is not "
+            f"a multiple of {2 * size}"
+        )
         raise ValueError(msg)
     chunks = x.chunk(2 * size, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)

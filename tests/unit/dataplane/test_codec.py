@@ -13,9 +13,7 @@ from dataplane.codec import (
     nested_from_arrow,
     nested_from_values,
     nested_to_arrow,
-    pack_per_token_field,
     pad_nested,
-    response_from_nested,
     to_nested_by_length,
 )
 
@@ -67,26 +65,12 @@ def test_numeric_encode_is_zero_copy():
     assert back.values().data_ptr() == arr.values.buffers()[1].address
 
 
-def test_to_nested_by_length_and_pack_per_token_field():
+def test_to_nested_by_length():
     padded = torch.tensor([[1, 2, 3, 0, 0], [4, 0, 0, 0, 0]])
     nt = to_nested_by_length(padded, [3, 1])
     assert nt.values().tolist() == [1, 2, 3, 4]
-    # extra width beyond max(lengths) (sequence-parallel padding) is cut
-    assert pack_per_token_field(padded, [3, 1]).values().tolist() == [1, 2, 3, 4]
-    with pytest.raises(ValueError, match="cannot hold"):
-        pack_per_token_field(padded[:, :2], [3, 1])
     with pytest.raises(ValueError, match="lengths must lie"):
         to_nested_by_length(padded, [6, 1])
-
-
-def test_response_from_nested_shifts_left_by_one():
-    # row 0: L=5, r=2 -> full[5-2-1 : 5-1] = full[2:4] = [12, 13]; row 1: L=3, r=1 -> full[1:2] = [21]
-    full = nested_from_values(torch.tensor([10, 11, 12, 13, 14, 20, 21, 22]), torch.tensor([5, 3]))
-    resp = nested_from_values(torch.ones(3, dtype=torch.bool), torch.tensor([2, 1]))
-    out = response_from_nested(full, resp)
-    assert out.values().tolist() == [12, 13, 21]
-    with pytest.raises(ValueError, match="longer"):
-        response_from_nested(full, nested_from_values(torch.ones(8, dtype=torch.bool), torch.tensor([5, 3])))
 
 
 def test_pad_to_seqlen_shorter_than_rows_refused():

@@ -4,13 +4,16 @@ transient ones as recoverable (`tasks.retry.transient_errors_retried`)."""
 from __future__ import annotations
 
 import errno
+import io
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from flytekit.exceptions.user import FlyteRecoverableException
 
+import dataplane.errors
 from dataplane.errors import DataPlaneError, IntegrityError, is_transient, retry_transient
+from tasks.retry import transient_errors_retried
 
 
 def _client_error(code: str, status: int):
@@ -37,7 +40,6 @@ def _mlflow_error(message: str) -> BaseException:
 
 def _corrupt_parquet_error() -> BaseException:
     """What pyarrow raises for a Parquet file with flipped bytes: an ``OSError`` for most positions."""
-    import io
 
     buf = io.BytesIO()
     pq.write_table(pa.table({"a": list(range(100))}), buf, compression="lz4")
@@ -112,8 +114,6 @@ def test_the_outermost_known_meaning_decides():
 
 
 def test_retry_transient_retries_until_the_deadline_and_not_permanent_errors(monkeypatch):
-    import dataplane.errors
-
     slept = []
     monkeypatch.setattr(dataplane.errors.time, "sleep", slept.append)
     calls = []
@@ -136,8 +136,6 @@ def test_retry_transient_retries_until_the_deadline_and_not_permanent_errors(mon
 
 def test_tasks_raise_only_transient_errors_as_recoverable():
     from botocore.exceptions import EndpointConnectionError
-
-    from tasks.retry import transient_errors_retried
 
     @transient_errors_retried
     def task(err):

@@ -32,8 +32,11 @@ import os
 import random
 import select
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -44,10 +47,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dataplane import paths
+import dataplane.errors
+from dataplane import errors, paths
 from dataplane.client import DataPlane, DataPlaneError
 from dataplane.codec import nested_from_values
+from dataplane.errors import IntegrityError, is_transient, retry_transient
 from dataplane.meta import KVBatchMeta
+from tests.tcp_proxy import TcpProxy
 
 REPO = Path(__file__).resolve().parents[3]
 RUN, PART = "run-1", "step_000001"
@@ -188,7 +194,6 @@ def zygote_main() -> None:
 def _warm_up() -> None:
     """Do once, before any fork, what every worker would otherwise do on its first write (~2 s of lazy imports and
     first-call set-up in torch, pyarrow, s3fs and botocore): a put, a delta write and a read in a scratch folder."""
-    import tempfile
 
     import botocore.loaders
     import botocore.session
@@ -477,11 +482,17 @@ class Zygote:
                 if words[0] == first_word:
                     return t, words
                 if words[0] not in allow:
-                    msg = f"worker {pid} said {text!r} while we waited for {first_word!r}; it said {self.said[pid][-8:]}; stderr:\n{self.stderr_tail()}"
+                    msg = (
+                        f"worker {pid} said {text!r} while we waited for {first_word!r}; it said "
+                        f"{self.said[pid][-8:]}; stderr:\n{self.stderr_tail()}"
+                    )
                     raise AssertionError(msg)
             left = deadline - time.monotonic()
             if left <= 0:
-                msg = f"worker {pid} did not say {first_word!r} in {timeout} s; it said {self.said[pid][-8:]}; stderr:\n{self.stderr_tail()}"
+                msg = (
+                    f"worker {pid} did not say {first_word!r} in {timeout} s; it said {self.said[pid][-8:]}; "
+                    f"stderr:\n{self.stderr_tail()}"
+                )
                 raise AssertionError(msg)
             self._read(min(left, 0.05))
 
@@ -671,8 +682,9 @@ def _check_partition(dp: DataPlane, p: _Partition, in_flight: int, allowed: set[
 @pytest.mark.slow
 def test_sigkill_during_writes(store, tmp_path, workers):
     """50 writers killed with SIGKILL during a put or a delta write (seeded mix of kill points), 5 in each of 10
-    partitions written one after the other (the steps of a run). After every kill the partition is checked in full, and the next writer
-    retries the interrupted write; at the end every partition is checked again with a new client."""
+    partitions written one after the other (the steps of a run). After every kill the partition is checked in full,
+    and the next writer retries the interrupted write; at the end every partition is checked again with a new
+    client."""
     root, options = store
     rng = random.Random(20261125 + (0 if root.startswith("s3://") else 1))
     modes = [MODES[i % len(MODES)] for i in range(KILLS_PER_STORE)]
@@ -742,7 +754,8 @@ def test_sigkill_during_writes(store, tmp_path, workers):
     times = ", ".join(f"{k} {v:.1f} s" for k, v in spent.items())
     writes = sum(p.start for p in parts)
     print(
-        f"\n{root.split(':')[0]}: {KILLS_PER_STORE} kills, {writes} writes ({times}); where they landed: {dict(sorted(landed.items()))}"
+        f"\n{root.split(':')[0]}: {KILLS_PER_STORE} kills, {writes} writes ({times}); where they landed: "
+        f"{dict(sorted(landed.items()))}"
     )
 
     # a new client sees every partition as the checks after their last kills did
@@ -801,7 +814,8 @@ def test_concurrent_attempts_of_one_write(store, workers):
         missing = _missing_files(dp, part_dir, records)
         if len(records) != 1 or missing:
             problems.append(
-                f"trial {trial} ({schedule}): {len(records)} commit records of the write, naming missing files {missing}"
+                f"trial {trial} ({schedule}): {len(records)} commit records of the write, naming missing files "
+                f"{missing}"
             )
             continue
         try:
@@ -863,9 +877,6 @@ def test_is_transient_on_real_errors(s3_server, s3_proxy, tmp_path, monkeypatch)
     """``is_transient`` on the errors an unreachable endpoint really raises (refused, reset at connect, reset
     mid-request; through s3fs and through ``DataPlane.put``), and on permanent ones."""
     import s3fs
-
-    from dataplane import errors
-    from dataplane.errors import IntegrityError, is_transient, retry_transient
 
     # no retries inside botocore or s3fs: each call fails at once
     fast = {
@@ -963,10 +974,6 @@ def _raised(fn: Any) -> BaseException:
 def test_tcp_proxy_refuses_and_resets_while_down():
     """The proxy the outage tests rely on: while down, connects are refused and open connections are reset; up
     again, on the same port; ``resetting()`` resets connections at accept or at the first request bytes."""
-    import socket
-    import threading
-
-    from tests.tcp_proxy import TcpProxy
 
     server = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
@@ -1024,11 +1031,8 @@ def test_tcp_proxy_refuses_and_resets_while_down():
 def test_a_read_retries_a_connection_refused_mid_batch(s3_server, s3_proxy, monkeypatch):
     """A data-plane read on S3 fetches its files with ``fs.cat(..., on_error="return")``, which hands back each
     file's error instead of raising it; a refused connection there is retried like any other transient error
-    (it used to escape the retry and fail the task: seen when the 30 s outage of ``test_outage.py`` began during
-    a read)."""
-    import threading
-
-    import dataplane.errors
+    (it does not escape the retry and fail the task, as it would if the 30 s outage of ``test_outage.py`` began
+    during a read)."""
 
     fast = {
         "endpoint_url": s3_proxy.url,

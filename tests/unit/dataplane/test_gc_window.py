@@ -1,10 +1,10 @@
-"""Garbage collection beside writers in flight (issue 29): `DataPlane.collect_garbage` run between a writer's data-file
-upload and its commit used to delete the uploaded file as an orphan; the writer returned success and every later read
-failed with "the write is lost". On a local folder and on a real S3 server on loopback (moto), each test:
+"""Garbage collection beside writers in flight: `DataPlane.collect_garbage` run between a writer's data-file upload and
+its commit must not take the uploaded file for an orphan and leave a write that returned success unreadable ("the
+write is lost"). On a local folder and on a real S3 server on loopback (moto), each test:
 
 1. ``test_collection_between_upload_and_commit_keeps_the_write``: a collection forced into that window, 12 times per
-   store and setting (6 puts, 6 delta writes), with the default grace period (nothing young is removed) and with ``grace_s=0``
-   (the file is removed; the writer finds it gone after its commit and uploads it again).
+   store and setting (6 puts, 6 delta writes), with the default grace period (nothing young is removed) and with
+   ``grace_s=0`` (the file is removed; the writer finds it gone after its commit and uploads it again).
 2. ``test_a_writer_paused_past_the_commit_deadline_does_not_commit``: a writer that reaches its commit too late
    raises a transient ``TimeoutError`` and commits nothing.
 3. ``test_a_write_whose_file_stays_gone_raises``: a data file removed after each upload: the writer raises
@@ -12,7 +12,7 @@ failed with "the write is lost". On a local folder and on a real S3 server on lo
 4. ``test_a_partition_cleared_during_a_collection``: a train task clears its step while a collection reads it.
 5. ``test_writers_beside_a_collector_in_a_loop``: 200 writes (puts, delta writes, rewrites, files of "killed" writers)
    from 2 threads while a third collects garbage in a loop, on a compressed time scale (a grace period of seconds,
-   the commit deadline under it); every write that returned reads back exactly, every commit names a file that is
+   the commit deadline 3 s under it); every write that returned reads back exactly, every commit names a file that is
    there, and the collector removed orphans while the writers ran.
 """
 
@@ -37,6 +37,7 @@ WINDOW_TRIALS = 6  # per write kind, store and grace setting
 STRESS_WRITES = 200  # writes of the stress loop per store (2 writer threads)
 STRESS_FIELDS = 20  # per partition
 PER_PARTITION = 20  # writes of one thread in one partition (a step's) before it moves to the next
+MARGIN_S = 3.0  # s: grace period less commit deadline (and S3's rounding of times) in the stress loop
 SCHEMA = {
     F.INPUT_IDS: "int64",
     F.INPUT_LENGTHS: "int64",
@@ -192,20 +193,27 @@ def test_a_partition_cleared_during_a_collection(dp, store, monkeypatch):
         "temp_files": 0,
     }
     monkeypatch.undo()
-    assert not dp.fs.exists(stray) and not dp.exists("step_000002")
+    assert not dp.fs.exists(stray) and not dp.fs.exists(f"{dp._part('step_000002')}/_schema.json")
     assert dp.read(meta, [F.INPUT_LENGTHS])[F.INPUT_LENGTHS].tolist() == LENGTHS
 
 
 def test_writers_beside_a_collector_in_a_loop(dp, store, monkeypatch):
-    """``STRESS_WRITES`` writes from 2 threads, paced over three grace periods, while a third thread runs
-    ``collect_garbage(grace_s=GRACE)`` in a loop. Time is compressed: the grace period is seconds and the commit
-    deadline under it (as ``GC_GRACE_S`` = 1 h is over ``COMMIT_DEADLINE_S`` = 10 min); on S3, whose modification
-    times are whole seconds, both are longer."""
+    """``STRESS_WRITES`` writes from 2 threads, paced over two grace periods, while a third thread runs
+    ``collect_garbage(grace_s=grace)`` in a loop. Time is compressed: the grace period is seconds and the commit
+    deadline under it (as ``GC_GRACE_S`` = 1 h is over ``COMMIT_DEADLINE_S`` = 10 min).
+
+    The guarantee holds as long as a writer that passed its deadline check has its commit record written within
+    ``grace - deadline`` (less 1 s on S3, whose modification times are whole seconds); in production that margin is
+    50 minutes. Here it is ``MARGIN_S`` = 3 s, so that a writer thread starved for a second or two on a loaded machine
+    (CPU shared with other processes, the GIL with the collector and, on S3, the server) still commits in time: the
+    test checks the collector against the writers, not the machine's scheduling. A write that misses the
+    (compressed) deadline raises ``TimeoutError`` and is retried, as Flyte would retry its task."""
     root, options = store
     s3 = root.startswith("s3://")
-    grace, deadline = (4.0, 1.0) if s3 else (1.5, 0.5)
+    deadline = 1.5 if s3 else 1.0
+    grace = deadline + MARGIN_S + (1.0 if s3 else 0.0)  # 5.5 s on S3, 4 s on a local folder
     monkeypatch.setattr(client, "COMMIT_DEADLINE_S", deadline)
-    pace = 3 * grace / (STRESS_WRITES / 2)  # s between the starts of one thread's writes
+    pace = 2 * grace / (STRESS_WRITES / 2)  # s between the starts of one thread's writes
     rest = 1.0 if s3 else 0.0  # s between two collections
     parts: set[str] = set()
     done = threading.Event()
@@ -325,5 +333,6 @@ def test_writers_beside_a_collector_in_a_loop(dp, store, monkeypatch):
         assert not bad, f"{p}: fields {bad} lost or changed"
     print(
         f"\n{'s3' if s3 else 'local'}: {STRESS_WRITES} writes {total}; {len(passes)} collections ({during} beside the "
-        f"writers, removing {removed_during} orphans then, in {writing_s:.1f} s); {len(expected)} writes checked at the end"
+        f"writers, removing {removed_during} orphans then, in {writing_s:.1f} s); {len(expected)} writes checked at "
+        "the end"
     )

@@ -1,11 +1,11 @@
-"""A meta that does not match its partition (issue 29), on a local folder and a real S3 server on loopback (moto):
+"""A meta that does not match its partition, on a local folder and a real S3 server on loopback (moto):
 
-- an altered meta (``sequence_lengths`` all 1) used to let a per-token write of length-1 rows commit beside
-  ``input_ids`` rows of 3-6 tokens: per-token writes are now checked against the lengths the put stored, and reads
-  and writes under a meta whose ``sequence_lengths`` differ from them are refused;
-- a stale meta (made before a ``clear`` and a re-put with the same ``id_key``) used to read the new rows without an
-  error: a meta now names its put (``KVBatchMeta.puts``: write id and data-file checksum), and reads and writes under
-  a stale one raise ``StaleMetaError``.
+- an altered meta (``sequence_lengths`` all 1) must not let a per-token write of length-1 rows commit beside
+  ``input_ids`` rows of 3-6 tokens: per-token writes are checked against the lengths the put stored, and reads and
+  writes under a meta whose ``sequence_lengths`` differ from them are refused;
+- a stale meta (made before a ``clear`` and a re-put with the same ``id_key``) must not read the new rows without an
+  error: a meta names its put (``KVBatchMeta.puts``: write id and data-file checksum), and reads and writes under a
+  stale one raise ``StaleMetaError``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from rl.advantages import (
     overlong_penalty,
     reinforce_plus_plus_advantages,
 )
+from rl.config import config_from_dict
 
 
 def _loop_reference(rewards, mask, g, loo, normalize, clip=None, eps=1e-6):
@@ -136,8 +137,9 @@ def _exact_advantages(values: list[Fraction], g: int, loo: bool, eps: Fraction) 
 @pytest.mark.parametrize("loo", [True, False])
 def test_equal_partial_credit_sweep_is_exact(dtype, loo):
     # every credit k/m (m <= 9) as the reward of a whole group, and of a group with one 0 or one 1 among them, for
-    # G = 4, 8, 16: a set of equal rewards divides by nothing and takes its value exactly as its baseline (before, the
-    # float32 mean of [2/3] * 7 was one ulp off, its std ~1e-8 passed `std > 0`, and [1, 2/3 x 7] gave A = 313,171)
+    # G = 4, 8, 16: a set of equal rewards divides by nothing and takes its value exactly as its baseline (summed and
+    # divided, the float32 mean of [2/3] * 7 is one ulp off, its std ~1e-8 passes `std > 0`, and [1, 2/3 x 7] gives
+    # A = 313,171)
     credits = sorted({Fraction(k, m) for m in range(1, 10) for k in range(m + 1)})
     groups = []
     for g in (4, 8, 16):
@@ -167,17 +169,18 @@ def test_equal_partial_credit_sweep_is_exact(dtype, loo):
     assert checked >= 3 * 28 * 4  # every sample of every all-equal group, at least
 
 
-def test_the_issues_cases():
+def test_sets_of_equal_partial_credit_give_exact_advantages():
+    # the comments give what summing and dividing (NeMo-RL's baseline) yields for the same rewards
     ones = torch.ones(16, dtype=torch.bool)
     adv, _, _ = compute_advantages(torch.tensor([1.0] + [2 / 3] * 7), ones[:8], group_size=8)
-    assert adv[0].item() == pytest.approx(1 / 3, rel=1e-6)  # was 313,171
+    assert adv[0].item() == pytest.approx(1 / 3, rel=1e-6)  # sum-and-divide: 313,171
     adv, _, _ = compute_advantages(torch.tensor([0.0] + [0.1] * 15), ones, group_size=16)
-    assert adv[0].item() == pytest.approx(-0.1, rel=1e-6)  # was -99,235
+    assert adv[0].item() == pytest.approx(-0.1, rel=1e-6)  # sum-and-divide: -99,235
     adv, _, _ = compute_advantages(torch.tensor([0.7] * 8), ones[:8], group_size=8)
-    assert torch.equal(adv, torch.zeros(8))  # was +0.056 each
+    assert torch.equal(adv, torch.zeros(8))  # sum-and-divide: +0.056 each
 
 
-def test_binary_rewards_give_the_same_advantages_as_before_bit_for_bit():
+def test_binary_rewards_give_the_sum_and_divide_advantages_bit_for_bit():
     # with 0/1 rewards every sum is exact: the constant-set rule changes no bit (the default run's batches)
     gen = torch.Generator().manual_seed(0)
     rewards = (torch.rand(64, generator=gen) > 0.6).float()
@@ -194,10 +197,10 @@ def test_binary_rewards_give_the_same_advantages_as_before_bit_for_bit():
         degenerate = (v.sum(-1, keepdim=True) <= 1) | (count < 1)
         base = torch.where(degenerate, r, mean)
         std = torch.where(degenerate, 0.0, std)
-        old = (
+        summed = (
             torch.where(std > 0, (r - base) / (std + 1e-6), r - base).reshape(-1) * mask.float()
-        )  # the code before the rule
-        assert torch.equal(adv, old)
+        )  # sum and divide, without the constant-set rule
+        assert torch.equal(adv, summed)
 
 
 # ------------------------------------------------------------------- REINFORCE++ and overlong shaping
@@ -246,8 +249,6 @@ def test_overlong_penalty_hand_computed():
 
 
 def test_the_step_applies_shaping_then_the_chosen_estimator():
-    from rl.config import config_from_dict
-
     r = torch.tensor([1.0, 1.0, 0.0, 0.0])
     lengths = torch.tensor([32, 4, 4, 4])
     mask = torch.ones(4, dtype=torch.bool)
@@ -278,7 +279,8 @@ def test_the_step_applies_shaping_then_the_chosen_estimator():
 
 
 def test_reinforce_plus_plus_edges_equal_group_invalid_sample_and_empty_response():
-    # groups (G = 2): [1, 0] with 2 tokens each; [0.5, 0.5] (equal: a = 0); [1, <invalid>]; [0 with no response token, 1 with 4]
+    # groups (G = 2): [1, 0] with 2 tokens each; [0.5, 0.5] (equal: a = 0); [1, <invalid>];
+    #   [0 with no response token, 1 with 4]
     #   a = [0.5, -0.5, 0, 0, 0, -, -0.5, 0.5]; the group of one valid sample gets a = 0; the empty response weighs 0
     #   weights n = [2, 2, 2, 2, 2, 0, 0, 4]: mu = (1 - 1 + 0 + 0 + 0 + 0 + 2) / 14 = 1/7
     r = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 7.0, 0.0, 1.0], dtype=torch.float64)

@@ -23,9 +23,15 @@ import numpy as np
 import pytest
 import torch
 
+import dataplane.errors
+import rl.manifest
+import rl.trainer_state
 from dataplane.errors import IntegrityError, retry_transient
 from rl import checkpoint
+from rl.backends.hf.generation import HFGeneration
+from rl.backends.hf.policy import HFPolicy
 from rl.backends.interfaces import PolicyVersion
+from rl.backends.vllm.generation import VLLMGeneration
 from tests.helpers import small_config
 
 RUN = "run-1"
@@ -235,7 +241,6 @@ def test_the_marker_is_a_manifest_of_every_file(store):
 
 def _cold_load(url: str, so: dict, tmp_path: Path, step: int = 1) -> None:
     """What a generation task does with a policy it does not hold: load it from its folder."""
-    from rl.backends.hf.generation import HFGeneration
 
     cfg = small_config(tmp_path, "unused-model", dataplane={"root": url.rsplit("/", 3)[0], "storage_options": so})
     HFGeneration(cfg, tokenizer=None, model_path="unused-model").refit(PolicyVersion(step=step, path=url))
@@ -293,8 +298,6 @@ def test_a_verified_copy_loads_the_saved_weights_and_trainer_state(store):
 
 
 def test_local_folder_removes_its_copy_of_a_remote_checkpoint_and_leaves_a_local_one(store):
-    from pathlib import Path
-
     root, so = store
     url = f"{root}/{RUN}/checkpoints/step_000001"
     _save(url, so, seed=1)
@@ -444,9 +447,6 @@ def test_resume_with_no_good_checkpoint_says_so(store, tmp_path, monkeypatch):
 
 
 def test_loaders_load_only_complete_checkpoints(store, tmp_path, monkeypatch):
-    from rl.backends.hf.generation import HFGeneration
-    from rl.backends.hf.policy import HFPolicy
-    from rl.backends.vllm.generation import VLLMGeneration
     from tasks import finish
 
     root, so = store
@@ -533,8 +533,8 @@ def test_transient_failures_of_every_storage_operation_are_retried(store, tmp_pa
 
     monkeypatch.setattr(fsspec.core, "url_to_fs", url_to_fs)
     fast = functools.partial(retry_transient, first_delay_s=0.001, max_delay_s=0.01)
-    monkeypatch.setattr(checkpoint, "retry_transient", fast, raising=False)
-    import dataplane.errors
+    for module in (checkpoint, rl.manifest, rl.trainer_state):
+        monkeypatch.setattr(module, "retry_transient", fast, raising=False)
 
     monkeypatch.setattr(dataplane.errors, "retry_transient", fast)  # what tasks.setup imports
 

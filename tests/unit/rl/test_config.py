@@ -1,11 +1,16 @@
 from __future__ import annotations
 
 import json
+import runpy
+import socket
+from pathlib import Path
 
 import pytest
 
-from rl.config import GRPOConfig, config_from_dict, load_config
-from tests.helpers import config_leaves, leaf_docs, nested_dict, schema_descriptions
+from dataplane.errors import is_transient
+from rl.config import GRPOConfig, GRPOSettings, TrackingConfig, config_from_dict, env_storage_options, load_config
+from rl.config.descriptions import class_doc
+from tests.helpers import config_leaves, leaf_docs, nested_dict, put_config_on_s3, schema_descriptions
 
 
 def test_defaults_are_valid_and_json_safe():
@@ -50,12 +55,14 @@ def test_defaults_are_valid_and_json_safe():
         (
             "policy",
             {"nproc_per_node": 2, "megatron_cfg": {"tensor_model_parallel_size": 2}},
-            r"policy.megatron_cfg: asks for 2 model-parallel ranks but policy.backend is 'transformers'; set policy.backend to 'megatron'",
+            r"policy.megatron_cfg: asks for 2 model-parallel ranks but policy.backend is 'transformers'; set "
+            r"policy.backend to 'megatron'",
         ),
         (
             "policy",
             {"backend": "megatron", "nproc_per_node": 4, "megatron_cfg": {"tensor_model_parallel_size": 3}},
-            r"tensor x pipeline x context parallel sizes = 3 ranks do not divide the 4 ranks of policy.nnodes x nproc_per_node",
+            r"tensor x pipeline x context parallel sizes = 3 ranks do not divide the 4 ranks of policy.nnodes x "
+            r"nproc_per_node",
         ),
         ("generation", {"vllm_cfg": {"gpu_memory_utilization": 1.5}}, r"vllm_cfg.gpu_memory_utilization: is 1.5"),
         (
@@ -74,7 +81,8 @@ def test_defaults_are_valid_and_json_safe():
             "positive bound",
         ),
         ("dataplane", {"storage_options": {"secret": "x"}}, "environment"),
-        # accepted before, failing later (a ZeroDivisionError at config time, a new run, a misplaced store) or never
+        # values that would fail later otherwise (a ZeroDivisionError at config time, a new run, a misplaced store)
+        # or never
         (
             "optim",
             {"train_global_batch_size": 0},
@@ -94,7 +102,8 @@ def test_defaults_are_valid_and_json_safe():
         (
             "tracking",
             {"uri": "not a uri"},
-            r"^config tracking.uri: 'not a uri' is neither a URI .* nor a folder path, and MLflow would make a folder of that name",
+            r"^config tracking.uri: 'not a uri' is neither a URI .* nor a folder path, and MLflow would make a "
+            r"folder of that name",
         ),
         (
             "tracking",
@@ -111,7 +120,8 @@ def test_defaults_are_valid_and_json_safe():
         (
             "grpo",
             {"adv_estimator": "rloo"},
-            r"^config grpo.adv_estimator: is 'rloo'; use one of \['grpo', 'reinforce_plus_plus'\] \(RLOO and Dr. GRPO are settings of 'grpo'\)",
+            r"^config grpo.adv_estimator: is 'rloo'; use one of \['grpo', 'reinforce_plus_plus'\] \(RLOO and Dr. "
+            r"GRPO are settings of 'grpo'\)",
         ),
         (
             "loss",
@@ -127,12 +137,14 @@ def test_defaults_are_valid_and_json_safe():
         (
             "loss",
             {"reference_policy_kl_type": "k1"},
-            r"^config loss.reference_policy_kl_type: is 'k1' with reference_policy_kl_gradient 'estimator'.*expected gradient of 0.*; set reference_policy_kl_gradient: reverse_kl",
+            r"^config loss.reference_policy_kl_type: is 'k1' with reference_policy_kl_gradient "
+            r"'estimator'.*expected gradient of 0.*; set reference_policy_kl_gradient: reverse_kl",
         ),
         (
             "loss",
             {"importance_sampling_level": "sequence"},
-            r"^config loss.importance_sampling_level: is 'sequence' \(GSPO\) with loss_type 'dapo'.*; set loss_type: grpo",
+            r"^config loss.importance_sampling_level: is 'sequence' \(GSPO\) with loss_type 'dapo'.*; set loss_type: "
+            r"grpo",
         ),
         (
             "loss",
@@ -142,12 +154,14 @@ def test_defaults_are_valid_and_json_safe():
         (
             "loss",
             {"token_level_loss": False},
-            r"^config loss.token_level_loss: is no longer a key; it became loss.loss_type: write loss_type: dapo for token_level_loss: true, loss_type: grpo for false",
+            r"^config loss.token_level_loss: is no longer a key; it became loss.loss_type: write loss_type: "
+            r"dapo for token_level_loss: true, loss_type: grpo for false",
         ),
         (
             "grpo",
             {"reward_shaping": {"enabled": True, "overlong_buffer_length": 64}},
-            r"^config grpo.reward_shaping.overlong_buffer_length: 64 is longer than generation.max_new_tokens=32; use at most 32 tokens, e.g. 6",
+            r"^config grpo.reward_shaping.overlong_buffer_length: 64 is longer than "
+            r"generation.max_new_tokens=32; use at most 32 tokens, e.g. 6",
         ),
         (
             "grpo",
@@ -187,7 +201,8 @@ def test_megatron_sizes_split_the_ranks_of_a_task():
     )  # transformers: every rank a replica
     with pytest.raises(
         ValueError,
-        match=r"loss.loss_type: is 'grpo' \(a mean per sequence\) with policy.megatron_cfg.context_parallel_size > 1; use a loss summed over tokens",
+        match=r"loss.loss_type: is 'grpo' \(a mean per sequence\) with policy.megatron_cfg.context_parallel_size > "
+        r"1; use a loss summed over tokens",
     ):
         config_from_dict(
             {
@@ -308,8 +323,6 @@ def test_every_field_is_type_checked(key, hint):
 
 
 def test_sections_built_directly_are_checked_too():
-    from rl.config import GRPOSettings, TrackingConfig
-
     with pytest.raises(ValueError, match=r"config grpo.val_at_start: expected true or false, got the string 'no'"):
         GRPOSettings(val_at_start="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"config grpo: expected a GRPOSettings section, got a mapping"):
@@ -369,7 +382,8 @@ def _round_trip(cfg):
 
 
 def test_json_values_keep_their_types_through_a_task_boundary():
-    """flytekit's dataclass transformer (mashumaro) turned ``dict[str, str]`` values into strings: ``False`` -> 'False'."""
+    """flytekit's dataclass transformer (mashumaro) would turn ``dict[str, str]`` values into strings: ``False`` ->
+    'False'."""
     cfg = config_from_dict(
         {
             "dataplane": {
@@ -582,7 +596,8 @@ def test_load_config_reads_paths_and_file_urls(tmp_path, monkeypatch):
         (
             "run.yaml",
             "dataplane:\n  storage_options: &o {anon: *o}\n",
-            r"^config file 'run.yaml': dataplane.storage_options.anon is an alias of 'dataplane.storage_options' inside",
+            r"^config file 'run.yaml': dataplane.storage_options.anon is an alias of 'dataplane.storage_options' "
+            r"inside",
         ),
         (
             "run.yaml",
@@ -638,8 +653,6 @@ def test_load_config_refuses_folders_and_unknown_protocols(tmp_path):
 def test_env_storage_options_follow_flytekit(monkeypatch):
     for name in ("FLYTE_AWS_ENDPOINT", "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name, raising=False)
-    from rl.config import env_storage_options
-
     assert env_storage_options("s3") == {}
     monkeypatch.setenv("FLYTE_AWS_ENDPOINT", "http://localhost:30002")
     monkeypatch.setenv("FLYTE_AWS_ACCESS_KEY_ID", "minio")
@@ -654,8 +667,6 @@ def test_env_storage_options_follow_flytekit(monkeypatch):
 
 def test_load_config_reads_s3_with_the_flyte_environment(s3_server, monkeypatch):
     """A config on S3 (moto on loopback), reached as a Flyte pod reaches it: FLYTE_AWS_* in the environment."""
-    from tests.helpers import put_config_on_s3
-
     url = put_config_on_s3(s3_server, monkeypatch, "configs/run.yaml", b"grpo:\n  max_num_steps: 5\n")
     assert load_config(url).grpo.max_num_steps == 5
     with pytest.raises(ValueError, match=r"^config file 's3://grpoflow/configs/nope.yaml': does not exist; check"):
@@ -674,8 +685,6 @@ def test_every_leaf_field_has_a_docstring():
 
 
 def test_the_root_has_no_docstring_of_its_own():
-    from rl.config.descriptions import class_doc
-
     assert class_doc(GRPOConfig) is None  # no docstring written: not the signature @dataclass makes up
 
 
@@ -696,9 +705,6 @@ def test_flyte_schema_describes_every_field():
 
 def test_config_reference_is_up_to_date():
     """docs/config.md is generated from the dataclasses: regenerate it with ``python scripts/config_reference.py``."""
-    import runpy
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[3]
     render = runpy.run_path(str(root / "scripts" / "config_reference.py"))["render"]
     text = render()
@@ -714,9 +720,6 @@ def test_config_reference_is_up_to_date():
 def test_load_config_keeps_a_dropped_connection_transient(tmp_path):
     """A task retries a transient failure (``tasks/retry.py``): the ValueError keeps the connection error as its cause,
     while a missing file stays permanent."""
-    import socket
-
-    from dataplane.errors import is_transient
 
     with socket.socket() as s:  # a port nothing listens on: the connection is refused
         s.bind(("127.0.0.1", 0))

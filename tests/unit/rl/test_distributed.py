@@ -12,6 +12,8 @@ import torch
 
 from dataplane.meta import KVBatchMeta
 from dataplane.sharding import shard_meta_for_dp, shard_updates_for_dp
+from rl import distributed
+from rl.backends.hf.train import make_optimizer, train_on_batch
 from rl.config import config_from_dict
 
 LENGTHS = [5, 40, 7, 33, 6, 21, 9]
@@ -65,8 +67,6 @@ def _update(model_dir: str, rank: int, world: int) -> tuple[dict[str, torch.Tens
     """One step's updates of this rank on its shard; returns the weights, the metrics and the shard's rows."""
     from tensordict import TensorDict
     from transformers import AutoModelForCausalLM
-
-    from rl.backends.hf.train import make_optimizer, train_on_batch
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -158,8 +158,6 @@ def test_shards_of_fewer_rows_than_ranks_are_empty_and_named():
 
 
 def test_without_a_process_group_the_collectives_are_the_identity():
-    from rl import distributed
-
     t = torch.tensor([1.5, 2.0])
     assert distributed.world_size() == 1 and distributed.rank() == 0
     assert torch.equal(distributed.all_reduce(t), t.double())
@@ -171,8 +169,6 @@ def test_without_a_process_group_the_collectives_are_the_identity():
 
 def test_the_update_sizes_must_cover_the_batch(tiny_model_dir):
     from transformers import AutoModelForCausalLM
-
-    from rl.backends.hf.train import make_optimizer, train_on_batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
     opt, sched = make_optimizer(model, _cfg())

@@ -5,6 +5,7 @@ import math
 import torch
 
 from rl.advantages import compute_advantages
+from rl.data import Problem
 from rl.filters import informative_groups, overlong_mask, seq_mult_prob_error
 
 
@@ -38,7 +39,6 @@ def test_seq_mult_prob_error_hand_computed():
 
 def test_dynamic_sampling_keeps_one_correct_of_four_whole():
     # groups [1, 0, 0, 0] (informative) and [0, 0, 0, 0] (no signal): the first is kept with all four samples
-    from rl.data import Problem
     from rl.rollout import Groups, keep_informative
 
     groups = Groups(

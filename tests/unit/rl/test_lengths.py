@@ -23,7 +23,9 @@ def test_a_prompt_and_its_completion_fit_up_to_the_last_token():
     check_fits([50, 60], 4, 64, MODEL_LIMIT)  # 60 + 4 = 64: fits exactly
     with pytest.raises(
         ValueError,
-        match=r"^config generation.max_new_tokens: 5 plus the longest prompt's 60 tokens is more than the 64 tokens of generation.vllm_cfg.max_model_len, so completions would be cut short; lower it to at most 4, or raise generation.vllm_cfg.max_model_len",
+        match=r"^config generation.max_new_tokens: 5 plus the longest prompt's 60 tokens is more than the 64 "
+        r"tokens of generation.vllm_cfg.max_model_len, so completions would be cut short; lower it to at "
+        r"most 4, or raise generation.vllm_cfg.max_model_len",
     ):
         check_fits([50, 60], 5, 64, "generation.vllm_cfg.max_model_len")
 
@@ -31,7 +33,8 @@ def test_a_prompt_and_its_completion_fit_up_to_the_last_token():
 def test_max_new_tokens_past_the_model_is_refused_before_any_prompt():
     with pytest.raises(
         ValueError,
-        match=r"^config generation.max_new_tokens: 1000000000 is more than the 8192 tokens of the model's max_position_embeddings, so completions would be cut short; lower it to at most 8192$",
+        match=r"^config generation.max_new_tokens: 1000000000 is more than the 8192 tokens of the model's "
+        r"max_position_embeddings, so completions would be cut short; lower it to at most 8192$",
     ):
         check_fits([], 10**9, 8192, MODEL_LIMIT)
 

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from rl.loss import LossInputs, clipped_pg_loss, kl_penalty
+from rl.config import LossConfig
+from rl.loss import LossInputs, clipped_pg_loss, clipped_pg_loss_with, kl_penalty
 
 DEFAULTS = dict(
     ratio_clip_min=0.2,
@@ -161,9 +162,6 @@ def test_importance_weight_of_an_impossible_generation_token_is_zero():
 
 
 def test_the_config_section_reaches_every_setting_of_the_loss():
-    from rl.config import LossConfig
-    from rl.loss import clipped_pg_loss_with
-
     cfg = LossConfig(
         reference_policy_kl_penalty=0.3,
         reference_policy_kl_type="k1",

@@ -23,8 +23,8 @@ KLS = [("k1", "reverse_kl"), ("k2", "estimator"), ("k2", "reverse_kl"), ("k3", "
 
 
 def _paper_kl(curr: torch.Tensor, ref: float, kl_type: str, gradient: str) -> torch.Tensor:
-    """Schulman's estimators of KL(pi || pi_ref) on one sampled token (joschu.net/blog/kl-approx), with NeMo-RL's clamps;
-    ``reverse_kl`` adds the score-function weight pi / sg(pi) that makes the gradient that of E_pi[k]."""
+    """Schulman's estimators of KL(pi || pi_ref) on one sampled token (joschu.net/blog/kl-approx), with NeMo-RL's
+    clamps; ``reverse_kl`` adds the score-function weight pi / sg(pi) that makes the gradient that of E_pi[k]."""
     logr = ref - curr
     clamped = min(max(float(logr.detach()), -20.0), 20.0)
     x = (
@@ -292,7 +292,8 @@ def test_gspo_clips_the_length_normalized_sequence_ratio():
 
 def test_cispo_weights_a_reinforce_term_with_a_clipped_stop_gradient_ratio():
     # one token: ratio exp(-1 - (-1.5)) = 1.648721 -> weight clipped to 1.2; A = +1
-    #   loss = -1.2 * 1 * log pi = -1.2 * -1 = 1.2 (over 1 token); d loss / d curr = -1.2: the clipped token still learns
+    #   loss = -1.2 * 1 * log pi = -1.2 * -1 = 1.2 (over 1 token); d loss / d curr = -1.2:
+    #   the clipped token still learns
     b = _one([[0.0, -1.0]], [[0.0, -1.5]], [[0.0, 1.0]])
     loss, sums = _loss(b, loss_type="cispo", global_valid_toks=1.0)
     assert loss.item() == pytest.approx(1.2)

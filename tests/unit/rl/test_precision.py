@@ -3,17 +3,20 @@ head: tests/unit/rl/test_lm_head.py; generation vs training logprobs in bf16: te
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from rl import precision
+from rl.backends.hf.lm_head import lm_head
+from rl.backends.hf.logprobs import hidden_states
+from rl.backends.hf.model import load_model
+from rl.model import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from rl.backends.hf.model import load_model
-    from rl.model import load_tokenizer
-
     return load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
 
 
@@ -27,9 +30,6 @@ def test_explicit_precisions_are_kept_and_auto_follows_the_cpu_flags():
 
 
 def test_bf16_runs_the_trunk_in_bf16_and_the_head_matmul_in_bf16(tiny):
-    from rl.backends.hf.lm_head import lm_head
-    from rl.backends.hf.logprobs import hidden_states
-
     model, _ = tiny
     seen = {}
 
@@ -52,8 +52,6 @@ def test_bf16_runs_the_trunk_in_bf16_and_the_head_matmul_in_bf16(tiny):
 
 
 def test_auto_leaves_a_float64_model_in_float64(tiny):
-    import copy
-
     model = copy.deepcopy(tiny[0]).double()
     with torch.no_grad(), precision.autocast(model, "auto"):
         assert model(input_ids=torch.tensor([[1, 5, 9]])).logits.dtype == torch.float64

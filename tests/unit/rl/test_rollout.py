@@ -7,22 +7,20 @@ import pytest
 import torch
 
 from dataplane.codec import pad_nested
+from rl.backends.hf.generation import HFGeneration
 from rl.backends.hf.logprobs import batched_logprobs
+from rl.backends.interfaces import PolicyVersion
 from rl.config import config_from_dict
+from rl.model import load_tokenizer
 from rl.rollout import sample_step, to_columns
 
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
-    from rl.model import load_tokenizer
-
     return load_tokenizer(tiny_model_dir)
 
 
 def _generator(cfg, tok, model_dir):
-    from rl.backends.hf.generation import HFGeneration
-    from rl.backends.interfaces import PolicyVersion
-
     gen = HFGeneration(cfg, tokenizer=tok, model_path=model_dir)
     gen.refit(PolicyVersion(step=0, path=model_dir))
     return gen

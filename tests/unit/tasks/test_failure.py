@@ -1,10 +1,12 @@
-"""A failed execution's MLflow run is marked FAILED, not left RUNNING (issue 29): the ``on_failure`` handler of the
+"""A failed execution's MLflow run is marked FAILED, not left RUNNING: the ``on_failure`` handler of the
 ``grpo`` workflows (`tasks.failure`) and the `tasks.tracking` calls it makes, against a real MLflow sqlite store.
 The end-to-end case (a local run that fails, then resumes and finishes) is in ``tests/integration/test_resume.py``."""
 
 from __future__ import annotations
 
-from tasks import tracking
+from tasks import runtime, tracking
+from tasks.failure import run_failed
+from tests.helpers import small_config
 
 
 def _start(uri: str, execution: str) -> str:
@@ -39,9 +41,6 @@ def test_the_local_handler_fails_the_open_runs_of_this_process_in_the_runs_store
     """Run as flytekit's local executor runs a workflow's ``on_failure`` node: the runs this process opened in the
     config's store that are still RUNNING become FAILED; a finished one, and one in another store, are left alone;
     the process's collectors and back-ends are released."""
-    from tasks import runtime
-    from tasks.failure import run_failed
-    from tests.helpers import small_config
 
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = small_config(tmp_path / "a", "unused-model")

@@ -60,7 +60,7 @@ def _put_step(dp: DataPlane):
         F.RESPONSE_TEXT: ["3", "4", "<answer>3</answer>", ""],
         F.ANSWER_TEXT: ["3", "3", "3", "3"],
     }
-    dp.register_partition(f"step_{STEP:06d}", fields=STEP_SCHEMA, consumers=["train"])
+    dp.register_partition(f"step_{STEP:06d}", fields=STEP_SCHEMA)
     meta = dp.put(f"step_{STEP:06d}", columns, group_size=2, task_name="rollout", id_key="rollout")
     return meta.join(dp.write_columns(meta, {F.ADVANTAGES: _per_token(ADVANTAGES)}, task_name="advantages"))
 

@@ -11,7 +11,7 @@ import fsspec
 import pytest
 import torch
 
-from rl import model_store
+from rl import checkpoint, model_store
 from rl.backends.interfaces import PolicyVersion
 from tasks import runtime
 from tasks.setup import run_model
@@ -52,8 +52,6 @@ def test_a_remote_execution_publishes_the_model_once(tmp_path, tiny_model_dir, s
 
 def test_a_pod_with_an_empty_cache_loads_the_published_model(tmp_path, tiny_model_dir, s3_root, monkeypatch):
     from safetensors.torch import load_file
-
-    from rl import checkpoint
 
     root, so = s3_root
     cfg = small_config(tmp_path, tiny_model_dir, dataplane={"root": root, "storage_options": so})

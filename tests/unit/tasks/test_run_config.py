@@ -3,15 +3,20 @@ and carried through Flyte like the rest of the config; `rl.config` itself knows 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rl.config import GRPOConfig, config_from_dict
+from rl.config.descriptions import class_doc, field_docs
 from tasks.run_config import (
     CPUResources,
     RolloutResources,
     RunConfig,
     TrainResources,
+    check_placement,
     load_run_config,
+    quantity,
     run_config_from_dict,
 )
 from tests.helpers import ROOT, config_leaves, leaf_docs, nested_dict, schema_descriptions
@@ -119,8 +124,6 @@ def test_every_resources_field_has_a_docstring():
 
 
 def test_field_docs_are_read_from_the_class_that_declares_the_field():
-    from rl.config.descriptions import class_doc, field_docs
-
     assert (
         field_docs(TrainResources)["memory"] == "Memory request and limit, a Kubernetes quantity (``16Gi``, ``256Gi``)."
     )
@@ -154,8 +157,6 @@ def test_config_reference_documents_resources():
 
 
 def test_quantities_read_as_kubernetes_does():
-    from tasks.run_config import quantity
-
     assert (
         quantity("500m") == 0.5
         and quantity("2") == 2.0
@@ -170,7 +171,8 @@ def test_quantities_read_as_kubernetes_does():
         (
             {"policy": {"nproc_per_node": 1000}},
             True,
-            r"^config policy.nproc_per_node: is 1000 but this machine has 2 CPU cores \(a local run starts every rank here\); use at most 2$",
+            r"^config policy.nproc_per_node: is 1000 but this machine has 2 CPU cores "
+            r"\(a local run starts every rank here\); use at most 2$",
         ),
         (
             {"generation": {"backend": "vllm", "vllm_cfg": {"cpu_kv_cache_gib": 1e6}}},
@@ -180,12 +182,14 @@ def test_quantities_read_as_kubernetes_does():
         (
             {"policy": {"backend": "megatron"}},
             False,
-            r"^config resources.train.gpu: is 0 but policy.backend 'megatron' runs only on CUDA GPUs; set it to policy.nproc_per_node$",
+            r"^config resources.train.gpu: is 0 but policy.backend 'megatron' runs only on CUDA GPUs; "
+            r"set it to policy.nproc_per_node$",
         ),
         (
             {"policy": {"nproc_per_node": 1000}},
             False,
-            r"^config policy.nproc_per_node: is 1000 CPU ranks but resources.train.cpu gives each train pod 2 cores; use at most 2 ranks",
+            r"^config policy.nproc_per_node: is 1000 CPU ranks but resources.train.cpu gives each train pod 2 cores; "
+            r"use at most 2 ranks",
         ),
         (
             {"policy": {"nproc_per_node": 3}, "resources": {"train": {"cpu": "2500m"}}},
@@ -200,7 +204,8 @@ def test_quantities_read_as_kubernetes_does():
         (
             {"generation": {"backend": "vllm", "vllm_cfg": {"cpu_kv_cache_gib": 1e6}}},
             False,
-            r"^config generation.vllm_cfg.cpu_kv_cache_gib: is 1e\+06 GiB but a rollout pod has resources.rollout.memory 8Gi",
+            r"^config generation.vllm_cfg.cpu_kv_cache_gib: is 1e\+06 GiB "
+            r"but a rollout pod has resources.rollout.memory 8Gi",
         ),
         (
             {
@@ -214,9 +219,6 @@ def test_quantities_read_as_kubernetes_does():
     ],
 )
 def test_placement_refuses_what_the_machine_or_the_pods_cannot_hold(monkeypatch, data, local, match):
-    import os
-
-    from tasks.run_config import check_placement
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16 * 2**30 // 4096}

@@ -3,6 +3,8 @@ policy in place; a rollout builds no optimizer. Transformers back-ends on a tiny
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -58,11 +60,8 @@ def test_release_shuts_the_runs_back_ends_down(tmp_path, run, tiny_model_dir):
 def test_startup_counts_from_the_process_start_for_the_first_task_only(monkeypatch):
     """The first task of a process (a pod) counts its startup from the process's start: interpreter and imports
     included; a later task of the same process (a local run) from its own start."""
-    import time
 
     import psutil
-
-    from tasks import runtime
 
     monkeypatch.setattr(runtime, "_TASKS_STARTED", 0)
     first = runtime.begin_task()

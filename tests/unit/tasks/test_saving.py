@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.run_config import run_config_from_dict
+from tasks.runtime import shares_trainer_gpu
 from tasks.saving import serving_dtype
 from tasks.types import RunInfo
 
@@ -30,7 +31,5 @@ def test_a_bf16_copy_only_where_cold_gpu_rollouts_compute_in_bf16(cold, rollout_
 
 @pytest.mark.parametrize(("cold", "k", "expected"), [(False, 1, True), (True, 1, False), (True, 4, True)])
 def test_the_generation_engine_shares_its_gpu_with_a_trainer_in_its_process(cold, k, expected):
-    from tasks.runtime import shares_trainer_gpu
-
     cfg = run_config_from_dict({"resources": {"steps_per_task": k}})
     assert shares_trainer_gpu(cfg, _run(cold)) is expected

@@ -31,12 +31,14 @@ def test_a_local_run_with_an_uninstalled_back_end_fails_at_start(tmp_path, tiny_
     [
         (
             {"generation": {"max_new_tokens": 10**9}},
-            r"\n  config generation.max_new_tokens: 1000000000 is more than the 512 tokens of the model's max_position_embeddings",
+            r"\n  config generation.max_new_tokens: 1000000000 is more than the 512 tokens "
+            r"of the model's max_position_embeddings",
         ),
         # the vLLM config check passes (40 < 64), the prompts (chat template + system prompt + question) do not
         (
             {"generation": {"backend": "vllm", "max_new_tokens": 40, "vllm_cfg": {"max_model_len": 64}}},
-            r"\n  config generation.max_new_tokens: 40 plus the longest prompt's \d+ tokens is more than the 64 tokens of generation.vllm_cfg.max_model_len",
+            r"\n  config generation.max_new_tokens: 40 plus the longest prompt's \d+ tokens is more than the 64 tokens "
+            r"of generation.vllm_cfg.max_model_len",
         ),
     ],
 )

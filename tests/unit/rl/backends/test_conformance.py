@@ -8,9 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from dataplane import fields as F
+from dataplane.client import DataPlane
+from dataplane.codec import nested_from_values, pad_nested
 from rl.backends import registry
-from rl.backends.interfaces import PolicyVersion
+from rl.backends.dataplane_policy import DataPlanePolicy
+from rl.backends.interfaces import Generated, PolicyVersion
+from rl.checkpoint import TrainerState
 from rl.config import config_from_dict
+from rl.lengths import model_max_len
+from rl.model import load_tokenizer
+from rl.rollout import STEP_SCHEMA
 
 
 def _installed(table: dict, role: str) -> list:
@@ -48,8 +56,6 @@ PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 30], [1, 4093, 198, 25, 1624], [
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
-    from rl.model import load_tokenizer
-
     return load_tokenizer(tiny_model_dir)
 
 
@@ -115,13 +121,14 @@ def test_generate_returns_group_contiguous_rows_with_masks_and_logprobs(generato
 
 
 def test_a_prompt_past_the_models_positions_is_refused(generator, tiny_model_dir):
-    from rl.lengths import model_max_len
-
     limit = model_max_len(tiny_model_dir)  # 512: the tiny model's max_position_embeddings
     fits, too_long = [1] * (limit - 6), [1] * (limit - 5)  # + max_new_tokens 6
     with pytest.raises(
         ValueError,
-        match=rf"^config generation.max_new_tokens: 6 plus the longest prompt's {limit - 5} tokens is more than the {limit} tokens of the model's max_position_embeddings",
+        match=(
+            rf"^config generation.max_new_tokens: 6 plus the longest prompt's {limit - 5} tokens is more than the "
+            rf"{limit} tokens of the model's max_position_embeddings"
+        ),
     ):
         generator.generate([PROMPTS[0], too_long], group_size=1, seed=0)
     assert max(len(ids) for ids in generator.generate([fits], group_size=1, seed=0).input_ids) <= limit
@@ -212,8 +219,6 @@ def test_logprobs_are_zero_outside_the_token_mask_and_topk_is_the_plain_forwards
 
 
 def test_a_checkpoint_round_trip_resumes_training_exactly(policy, tok, tiny_model_dir, tmp_path):
-    from rl.checkpoint import TrainerState
-
     batch = _train_batch(policy)
     policy.prepare_for_training()
     metrics = policy.train(batch)
@@ -238,15 +243,10 @@ def test_a_checkpoint_round_trip_resumes_training_exactly(policy, tok, tiny_mode
 
 
 def test_from_meta_entry_points_write_delta_columns_under_the_same_ids(policy, tmp_path):
-    from dataplane import fields as F
-    from dataplane.client import DataPlane
-    from dataplane.codec import nested_from_values, pad_nested
-    from rl.rollout import STEP_SCHEMA
-
     rows = _fixed_rows()
     lengths = torch.tensor([len(x) for x in rows.input_ids])
     dp = DataPlane(str(tmp_path / "dp"), "run")
-    dp.register_partition("step_000001", fields=STEP_SCHEMA, consumers=["prev_lp", "ref_lp", "train"])
+    dp.register_partition("step_000001", fields=STEP_SCHEMA)
     meta = dp.put(
         "step_000001",
         {
@@ -257,8 +257,8 @@ def test_from_meta_entry_points_write_delta_columns_under_the_same_ids(policy, t
         },
         group_size=1,
     )
-    prev = policy.get_logprobs_from_meta(meta, dp)
-    ref = policy.get_reference_policy_logprobs_from_meta(meta, dp)
+    prev = DataPlanePolicy(policy, dp).get_logprobs_from_meta(meta)
+    ref = DataPlanePolicy(policy, dp).get_reference_policy_logprobs_from_meta(meta)
     assert prev.sample_ids == ref.sample_ids == meta.sample_ids
     got = dp.read(prev.join(ref), [F.PREV_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS], layout="jagged")
     batch = _padded(rows)
@@ -275,8 +275,6 @@ def test_fp8_calibration_and_shutdown_say_what_they_do(policy):
 
 
 def _fixed_rows():
-    from rl.backends.interfaces import Generated
-
     responses = [[28, 9, 33, 2], [17, 4], [5, 6, 7]]
     return Generated.from_rows(PROMPTS, responses, [[-1.0] * len(r) for r in responses], [True, False, False])
 

@@ -1,6 +1,6 @@
-"""The shared training engine (`rl.backends.engine`): micro-batches by rows and padded tokens, their limits per
-device, the update under a token budget equal to the row-count update, and the shared-prompt forward equal to the
-plain one. The back-ends' conformance and data-parallel suites run through the same engine."""
+"""The shared training engine (`rl.backends.engine`): the update under a token budget (`rl.backends.micro_batch`)
+equal to the row-count update, and the shared-prompt forward equal to the plain one. The back-ends' conformance and
+data-parallel suites run through the same engine; the micro-batch planner's own tests are in ``test_micro_batch.py``."""
 
 from __future__ import annotations
 
@@ -10,59 +10,13 @@ import math
 import pytest
 import torch
 
-from rl.backends.engine import micro_batch_limits, micro_batch_slices
+from rl.backends.engine import combine_step_metrics, make_optimizer
+from rl.backends.hf import logprobs as lp
+from rl.backends.hf.model import load_model
+from rl.backends.hf.train import train_on_batch
+from rl.backends.micro_batch import micro_batch_slices
 from rl.config import config_from_dict
 from tests.helpers import grouped_batch
-
-
-def _spans(slices):
-    return [(s.start, s.stop) for s in slices]
-
-
-def test_micro_batches_are_consecutive_rows_under_a_row_cap_and_a_padded_token_budget():
-    lengths = torch.tensor([5, 3, 8, 2, 2, 9, 1])
-    assert _spans(micro_batch_slices(lengths, max_rows=3, max_tokens=None)) == [(0, 3), (3, 6), (6, 7)]
-    assert _spans(micro_batch_slices(lengths, max_rows=None, max_tokens=None)) == [(0, 7)]
-    # padded tokens = rows x longest: [5, 3] -> 10; + 8 would be 24 > 16; [8, 2] -> 16; [2, 9] -> 18 > 16, so 2 alone...
-    assert _spans(micro_batch_slices(lengths, max_rows=None, max_tokens=16)) == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7)]
-    assert _spans(micro_batch_slices(lengths, max_rows=1, max_tokens=100)) == [(i, i + 1) for i in range(7)]
-    assert _spans(micro_batch_slices(torch.tensor([20, 4]), max_rows=None, max_tokens=10)) == [
-        (0, 1),
-        (1, 2),
-    ]  # too long: alone
-    assert micro_batch_slices(torch.zeros(0, dtype=torch.int64), max_rows=4, max_tokens=8) == []
-    for cap, budget in ((2, 12), (None, 9), (4, None)):  # invariants: cover 0..n in order, within the limits or one row
-        got = micro_batch_slices(lengths, max_rows=cap, max_tokens=budget)
-        assert [i for s in got for i in range(s.start, s.stop)] == list(range(7))
-        for s in got:
-            rows = s.stop - s.start
-            assert rows == 1 or (
-                (cap is None or rows <= cap) and (budget is None or rows * int(lengths[s].max()) <= budget)
-            )
-
-
-def test_null_limits_resolve_from_the_device_and_set_ones_win():
-    from transformers import LlamaConfig
-
-    shape = LlamaConfig(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
-    )
-    cfg = config_from_dict({})
-    assert micro_batch_limits(cfg, shape, "cpu", train=True) == (32, None)  # the CPU default: 32 rows, no budget
-    assert micro_batch_limits(cfg, shape, "cpu", train=False) == (32, None)
-    set_ = config_from_dict(
-        {
-            "optim": {
-                "train_micro_batch_size": 4,
-                "train_max_tokens_per_micro_batch": 512,
-                "logprob_max_tokens_per_micro_batch": 64,
-            }
-        }
-    )
-    assert micro_batch_limits(set_, shape, "cpu", train=True) == (4, 512)
-    assert micro_batch_limits(set_, shape, "cpu", train=False) == (None, 64)  # a budget alone: no row cap
-    with pytest.raises(ValueError, match=r"optim.train_max_tokens_per_micro_batch.*is 0.*>= 1, or null"):
-        config_from_dict({"optim": {"train_max_tokens_per_micro_batch": 0}})
 
 
 def _cfg(**optim):
@@ -79,8 +33,6 @@ def _cfg(**optim):
 def test_an_update_under_a_token_budget_equals_the_row_count_update(tiny_model_dir):
     """A padded-token budget changes only which rows share a forward: loss, metrics and weights match the update in
     micro-batches of 4 rows (float64 model; transformers rounds to float32 inside RMSNorm and the eager softmax)."""
-    from rl.backends.hf.model import load_model
-    from rl.backends.hf.train import make_optimizer, train_on_batch
 
     base = load_model(tiny_model_dir).double()
     batch = grouped_batch(12, 14, prompt=5, seed=3)
@@ -106,9 +58,6 @@ def test_an_update_under_a_token_budget_equals_the_row_count_update(tiny_model_d
 
 
 def test_the_shared_prompt_forward_equals_the_plain_one_and_runs_where_it_saves_tokens(tiny_model_dir, monkeypatch):
-    from rl.backends.hf import logprobs as lp
-    from rl.backends.hf.model import load_model
-
     model = load_model(tiny_model_dir).double()
     batch = grouped_batch(8, 16, prompt=9, seed=1)
     args = (batch["input_ids"], batch["input_lengths"])
@@ -128,9 +77,6 @@ def test_the_shared_prompt_forward_equals_the_plain_one_and_runs_where_it_saves_
 
 
 def test_the_optimizer_is_fused_only_on_cuda(tiny_model_dir):
-    from rl.backends.engine import make_optimizer
-    from rl.backends.hf.model import load_model
-
     opt, _ = make_optimizer(load_model(tiny_model_dir), _cfg())
     assert not opt.defaults.get("fused")
 
@@ -138,8 +84,6 @@ def test_the_optimizer_is_fused_only_on_cuda(tiny_model_dir):
 def test_sequence_errors_before_and_after_the_error_mask_skip_empty_responses(tiny_model_dir):
     """NeMo-RL's sequence logprob-error metrics: over valid samples with a response token, before the
     ``seq_logprob_error_threshold`` mask and after it, with the rows it masked counted (not every invalid row)."""
-    from rl.backends.hf.model import load_model
-    from rl.backends.hf.train import make_optimizer, train_on_batch
 
     model = load_model(tiny_model_dir).double()
     batch = grouped_batch(12, 14, prompt=5, seed=3)
@@ -170,8 +114,6 @@ def test_sequence_errors_before_and_after_the_error_mask_skip_empty_responses(ti
 
 
 def test_step_metrics_divide_per_sequence_sums_by_sequences():
-    from rl.backends.engine import combine_step_metrics
-
     errors = (torch.tensor([1.0, 2.0]), torch.tensor([1.0]))
     ranks = [
         (

@@ -91,7 +91,7 @@ def _megatron(hf_models, name: str) -> tuple[LlamaLayout, dict[str, torch.Tensor
     return layout, hf_to_megatron(model.state_dict(), layout, padded_vocab_size=PADDED)
 
 
-# --- the whole model ---------------------------------------------------------------------------------------------------
+# --- the whole model ---
 
 
 @pytest.mark.parametrize("te_layernorm", [False, True])
@@ -242,7 +242,7 @@ def test_query_heads_sit_in_their_key_value_group(hf_models):
     assert torch.equal(mc[layer + "self_attention.linear_proj.weight"], hf["model.layers.1.self_attn.o_proj.weight"])
 
 
-# --- tensor parallelism ------------------------------------------------------------------------------------------------
+# --- tensor parallelism ---
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -275,7 +275,10 @@ def test_merge_tensor_parallel_refuses_layernorms_that_differ(hf_models):
     shards[1]["decoder.layers.0.input_layernorm.weight"][3] += 1
     with pytest.raises(
         ValueError,
-        match=r"^decoder.layers.0.input_layernorm.weight is replicated over the tensor-parallel ranks but ranks \[1\] differ from rank 0$",
+        match=(
+            r"^decoder.layers.0.input_layernorm.weight is replicated over the tensor-parallel ranks but ranks \[1\] "
+            r"differ from rank 0$"
+        ),
     ):
         merge_tensor_parallel(shards, layout)
     del shards[1][EMBEDDING]
@@ -288,7 +291,10 @@ def test_merge_tensor_parallel_refuses_layernorms_that_differ(hf_models):
 def test_shard_tensor_parallel_refuses_an_unpadded_vocabulary():
     layout = _hand_layout(vocab_size=3)
     mc = hf_to_megatron(_hand_hf(vocab_size=3), layout)
-    msg = r"^embedding.word_embeddings.weight: dimension 0 of shape \(3, 1\) does not split into 2 equal parts \(pad the vocabulary to LlamaLayout.padded_vocab_size\)$"
+    msg = (
+        r"^embedding.word_embeddings.weight: dimension 0 of shape \(3, 1\) does not split into 2 equal parts \(pad the "
+        r"vocabulary to LlamaLayout.padded_vocab_size\)$"
+    )
     with pytest.raises(ValueError, match=msg):
         shard_tensor_parallel(mc, layout, rank=0, size=2)
     assert shard_tensor_parallel(
@@ -296,7 +302,7 @@ def test_shard_tensor_parallel_refuses_an_unpadded_vocabulary():
     )[EMBEDDING].tolist() == [[7], [0]]
 
 
-# --- pipeline parallelism ----------------------------------------------------------------------------------------------
+# --- pipeline parallelism ---
 
 
 def test_pipeline_stage_layers():
@@ -304,7 +310,10 @@ def test_pipeline_stage_layers():
     assert pipeline_stage_layers(4, rank=0, size=1) == range(4)
     with pytest.raises(
         ValueError,
-        match=r"^config policy.megatron_cfg.pipeline_model_parallel_size: 3 does not divide the model's 4 layers; use one of 1, 2, 4$",
+        match=(
+            r"^config policy.megatron_cfg.pipeline_model_parallel_size: 3 does not divide the model's 4 layers; use "
+            r"one of 1, 2, 4$"
+        ),
     ):
         pipeline_stage_layers(4, rank=0, size=3)
     with pytest.raises(ValueError, match=r"^pipeline stage 2 does not exist: there are 2 stages$"):
@@ -337,7 +346,10 @@ def test_merge_pipeline_stages_refuses_a_tied_copy_that_differs(hf_models):
     layout, mc = _megatron(hf_models, "llama-tied")
     stages = [split_pipeline_stage(mc, layout, rank=r, size=2) for r in range(2)]
     stages[1][OUTPUT_LAYER][5, 5] += 1
-    msg = r"^the last pipeline stage's output_layer.weight \(the tied copy of the word embeddings\) differs from the first stage's embedding.word_embeddings.weight$"
+    msg = (
+        r"^the last pipeline stage's output_layer.weight \(the tied copy of the word embeddings\) differs from the "
+        r"first stage's embedding.word_embeddings.weight$"
+    )
     with pytest.raises(ValueError, match=msg):
         merge_pipeline_stages(stages, layout)
     stages[0]["decoder.final_layernorm.weight"] = stages[1].pop("decoder.final_layernorm.weight")
@@ -365,7 +377,7 @@ def test_tensor_and_pipeline_parallel_together_merge_back(hf_models, name):
     _assert_identical(merge_pipeline_stages([merge_tensor_parallel(stage, layout) for stage in parts], layout), mc)
 
 
-# --- errors ------------------------------------------------------------------------------------------------------------
+# --- errors ---
 
 
 def test_megatron_to_hf_names_unknown_and_missing_keys(hf_models):
@@ -375,7 +387,10 @@ def test_megatron_to_hf_names_unknown_and_missing_keys(hf_models):
     del mc["decoder.final_layernorm.weight"]
     with pytest.raises(
         ValueError,
-        match=r"^megatron state dict does not fit the model layout: missing decoder.final_layernorm.weight; unknown decoder.layers.0.mlp.router.weight$",
+        match=(
+            r"^megatron state dict does not fit the model layout: missing decoder.final_layernorm.weight; unknown "
+            r"decoder.layers.0.mlp.router.weight$"
+        ),
     ):
         megatron_to_hf(mc, layout)
     del mc["decoder.layers.0.mlp.router.weight"]
@@ -395,7 +410,10 @@ def test_hf_to_megatron_names_unknown_and_missing_keys(hf_models):
     del hf["lm_head.weight"]
     with pytest.raises(
         ValueError,
-        match=r"^Hugging Face state dict does not fit the model layout: missing lm_head.weight; unknown model.layers.0.self_attn.o_proj.bias$",
+        match=(
+            r"^Hugging Face state dict does not fit the model layout: missing lm_head.weight; unknown "
+            r"model.layers.0.self_attn.o_proj.bias$"
+        ),
     ):
         hf_to_megatron(hf, layout)
     with pytest.raises(ValueError, match=r"^padded_vocab_size 64 is smaller than the vocabulary \(100\)$"):
@@ -427,19 +445,22 @@ def _layout(heads: int, groups: int, ffn: int, layers: int = 4) -> LlamaLayout:
             _layout(9, 3, 48),
             2,
             1,
-            "tensor_model_parallel_size: 2 does not divide the model's 9 attention heads; use one of 1, 3 (they divide its 9 attention heads, 3 key-value heads and 48 MLP channels)",
+            "tensor_model_parallel_size: 2 does not divide the model's 9 attention heads; use one of 1, 3 (they divide "
+            "its 9 attention heads, 3 key-value heads and 48 MLP channels)",
         ),
         (
             _layout(9, 3, 48),
             9,
             1,
-            "tensor_model_parallel_size: 9 does not divide the model's 3 key-value heads; use one of 1, 3 (they divide its 9 attention heads, 3 key-value heads and 48 MLP channels)",
+            "tensor_model_parallel_size: 9 does not divide the model's 3 key-value heads; use one of 1, 3 (they divide "
+            "its 9 attention heads, 3 key-value heads and 48 MLP channels)",
         ),
         (
             _layout(4, 4, 6),
             4,
             1,
-            "tensor_model_parallel_size: 4 does not divide the model's 6 MLP channels; use one of 1, 2 (they divide its 4 attention heads, 4 key-value heads and 6 MLP channels)",
+            "tensor_model_parallel_size: 4 does not divide the model's 6 MLP channels; use one of 1, 2 (they divide "
+            "its 4 attention heads, 4 key-value heads and 6 MLP channels)",
         ),
         (
             _layout(4, 2, 8, layers=6),
@@ -460,7 +481,7 @@ def test_check_parallel_layout_accepts_even_splits():
     check_parallel_layout(_layout(9, 3, 48, layers=6), tensor_model_parallel_size=3, pipeline_model_parallel_size=3)
 
 
-# --- the layout of a HF config -----------------------------------------------------------------------------------------
+# --- the layout of a HF config ---
 
 
 def test_layout_from_hf_configs(hf_models):
@@ -509,12 +530,17 @@ def test_layout_from_hf_config_refuses_what_it_cannot_map():
     tail = "is not supported by the megatron back-end"
     with pytest.raises(
         ValueError,
-        match=rf"^model: model_type 'gpt2' {tail} \(only llama, mistral, qwen2 are\); use policy.backend 'transformers'$",
+        match=(
+            rf"^model: model_type 'gpt2' {tail} \(only llama, mistral, qwen2 are\); use policy.backend 'transformers'$"
+        ),
     ):
         LlamaLayout.from_hf_config(transformers.GPT2Config())
     with pytest.raises(
         ValueError,
-        match=rf"^model: attention_bias=True \(biases on q_proj, k_proj, v_proj and o_proj\) {tail} \(q/k/v biases alone are, as in Qwen2\)",
+        match=(
+            rf"^model: attention_bias=True \(biases on q_proj, k_proj, v_proj and o_proj\) {tail} \(q/k/v biases alone "
+            rf"are, as in Qwen2\)"
+        ),
     ):
         LlamaLayout.from_hf_config(transformers.LlamaConfig(attention_bias=True))
     with pytest.raises(ValueError, match=rf"^model: mlp_bias=True \(biases on the MLP projections\) {tail}"):
@@ -536,12 +562,13 @@ def test_layout_from_hf_config_refuses_what_it_cannot_map():
     ],
 )
 def test_padded_vocab_size_is_megatrons(vocab, multiple, tp, padded):
-    """Megatron-LM's ``_vocab_size_with_padding``: the next multiple of ``multiple * tp`` (SmolLM2's 49152, Qwen2.5's 151936)."""
+    """Megatron-LM's ``_vocab_size_with_padding``: the next multiple of ``multiple * tp`` (SmolLM2's 49152, Qwen2.5's
+    151936)."""
     layout = dataclasses.replace(_layout(4, 2, 8), vocab_size=vocab)
     assert layout.padded_vocab_size(multiple, tp) == padded
 
 
-# --- real megatron-core GPTModel stages --------------------------------------------------------------------------------
+# --- real megatron-core GPTModel stages ---
 
 
 def _gpt_model(layout: LlamaLayout, eps: float, tp: int, pp: int):
@@ -629,7 +656,8 @@ def _load_into_gpt_model(
 
 
 def _megatron_rank(rank: int, world: int, tp: int, pp: int, store: str, folder: str) -> None:
-    """One gloo rank of ``world``: megatron-core's process groups, then every model through :func:`_load_into_gpt_model`."""
+    """One gloo rank of ``world``: megatron-core's process groups, then every model through
+    :func:`_load_into_gpt_model`."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -701,7 +729,8 @@ def test_gpt_model_computes_the_hf_logits(megatron_ranks, hf_models, name):
     tp, pp, reports = megatron_ranks
     if pp > 1:
         pytest.skip(
-            "a pipeline runs its forward through megatron's schedule: tests/unit/rl/backends/test_megatron_policy.py checks it"
+            "a pipeline runs its forward through megatron's schedule: tests/unit/rl/backends/test_megatron_policy.py "
+            "checks it"
         )
     with torch.no_grad():
         want = hf_models[name][1](_ids()).logits  # [B, S, V]

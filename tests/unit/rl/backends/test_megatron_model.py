@@ -11,6 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl import checkpoint
+from rl.backends.megatron.convert import LlamaLayout
+from rl.backends.megatron.model import (
+    HFFolder,
+    build_gpt_model,
+    check_model,
+    gather_hf_state_dict,
+    head_matmul,
+    init_model_parallel,
+    load_hf_state_dict,
+    rope_settings,
+)
+from rl.config import MegatronConfig
+from tests.megatron_cpu import megatron_on_cpu
+
 pytest.importorskip("megatron.core")
 
 
@@ -35,18 +50,6 @@ def _tiny_llama(path, *, tied: bool) -> str:
 def _round_trip(rank: int, model_dir: str, out: str) -> None:
     """In a fresh process: HF folder -> GPTModel (CPU) -> gathered HF state dict -> HFFolder saved as a checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from rl import checkpoint
-    from rl.backends.megatron.convert import LlamaLayout
-    from rl.backends.megatron.model import (
-        HFFolder,
-        build_gpt_model,
-        gather_hf_state_dict,
-        init_model_parallel,
-        load_hf_state_dict,
-    )
-    from rl.config import MegatronConfig
-    from tests.megatron_cpu import megatron_on_cpu
 
     del rank
     torch.set_num_threads(1)
@@ -126,8 +129,6 @@ def test_an_hf_checkpoint_goes_through_gptmodel_and_back_to_an_identical_hf_fold
 def test_the_trainer_state_of_one_back_end_is_refused_by_the_other(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rl import checkpoint
-
     model = AutoModelForCausalLM.from_pretrained(_tiny_llama(tmp_path / "hf", tied=True))
     opt = torch.optim.AdamW(model.parameters())
     state = checkpoint.TrainerState(step=1, mlflow_run_id="r", extra={})
@@ -141,7 +142,9 @@ def test_the_trainer_state_of_one_back_end_is_refused_by_the_other(tmp_path):
     )
     with pytest.raises(
         RuntimeError,
-        match=r"holds one unsplit optimizer \(the transformers back-end\), but this policy needs shard 'megatron-tp0-pp0'",
+        match=(
+            r"holds one unsplit optimizer \(the transformers back-end\), but this policy needs shard 'megatron-tp0-pp0'"
+        ),
     ):
         checkpoint.load_trainer_state(str(tmp_path / "plain"), opt, None, shard="megatron-tp0-pp0")
     with pytest.raises(
@@ -182,11 +185,9 @@ def test_the_trainer_state_of_one_back_end_is_refused_by_the_other(tmp_path):
     ],
 )
 def test_start_run_refuses_what_the_megatron_backend_cannot_run(change, mcfg, match):
-    """``check_model`` (called by ``start_run``, before any GPU task) on SmolLM2-135M's shapes: 9 heads, 3 key-value heads, 30 layers."""
+    """``check_model`` (called by ``start_run``, before any GPU task) on SmolLM2-135M's shapes: 9 heads, 3 key-value
+    heads, 30 layers."""
     from transformers import LlamaConfig
-
-    from rl.backends.megatron.model import check_model
-    from rl.config import MegatronConfig
 
     config = LlamaConfig(
         vocab_size=100,
@@ -212,8 +213,6 @@ def test_start_run_refuses_what_the_megatron_backend_cannot_run(change, mcfg, ma
 def test_llama3_rope_scaling_maps_to_megatrons():
     from transformers import LlamaConfig
 
-    from rl.backends.megatron.model import rope_settings
-
     config = LlamaConfig(
         rope_parameters={
             "rope_type": "llama3",
@@ -229,9 +228,8 @@ def test_llama3_rope_scaling_maps_to_megatrons():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_megatron_head_matmul_is_a_linear_layer_in_the_compute_dtype_with_float32_logits(dtype):
-    """``head_matmul`` (the LM head on the wanted positions): float32 logits of the operands rounded to the compute dtype,
-    and the two backward matmuls of a linear layer, against float64 autograd on the same rounded operands."""
-    from rl.backends.megatron.model import head_matmul
+    """``head_matmul`` (the LM head on the wanted positions): float32 logits of the operands rounded to the compute
+    dtype, and the two backward matmuls of a linear layer, against float64 autograd on the same rounded operands."""
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 16, generator=gen, requires_grad=True)

@@ -12,12 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.backends.megatron.parallel import context_parallel_merge, context_parallel_split, padded_length
+from rl.backends.megatron.parallel import (
+    context_parallel_merge,
+    context_parallel_split,
+    padded_length,
+    vocab_parallel_token_logprobs,
+    vocab_parallel_topk,
+)
+from rl.backends.megatron.policy import _micro_batches
+from rl.config import MegatronConfig
 
 pytest.importorskip("megatron.core")
 
 VOCAB, PADDED = 10, 12
-"""A real vocabulary of 10 ids padded to 12 (two tensor-parallel ranks of 6: rank 1 holds ids 6-11, 10 and 11 padding)."""
+"""A real vocabulary of 10 ids padded to 12 (two tensor-parallel ranks of 6: rank 1 holds ids 6-11, 10 and 11
+padding)."""
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])
@@ -52,8 +61,6 @@ def _logits() -> tuple[torch.Tensor, torch.Tensor]:
 def _tensor_parallel_rank(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
-
-    from rl.backends.megatron.parallel import vocab_parallel_token_logprobs, vocab_parallel_topk
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -106,9 +113,6 @@ def test_vocab_parallel_topk_equals_the_unsplit_topk(tensor_parallel):
 def _context_parallel_rank(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
-
-    from rl.backends.megatron.policy import _micro_batches
-    from rl.config import MegatronConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

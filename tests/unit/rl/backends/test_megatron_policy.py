@@ -1,7 +1,8 @@
-"""The megatron policy back-end against the transformers back-end, on CPU through ``tests.megatron_cpu`` (megatron-core's
-hard-coded CUDA placements moved to the CPU; the GPU tests run it unchanged): one rank, two tensor-parallel ranks and
-two pipeline stages (tied embeddings: the last stage's copy is kept in sync) give the same logprobs, top-k, training
-metrics and weights as the transformers back-end, and a checkpoint resumes training bit for bit.
+"""The megatron policy back-end against the transformers back-end, on CPU through ``tests.megatron_cpu``
+(megatron-core's hard-coded CUDA placements moved to the CPU; the GPU tests run it unchanged): one rank, two
+tensor-parallel ranks and two pipeline stages (tied embeddings: the last stage's copy is kept in sync) give the same
+logprobs, top-k, training metrics and weights as the transformers back-end, and a checkpoint resumes training bit for
+bit.
 
 Ranks are real gloo processes (``torch.multiprocessing.spawn``); a tiny random Llama (4 heads, 2 key-value heads, tied,
 vocabulary 100 padded to 128) keeps each run to seconds.
@@ -12,8 +13,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dataplane import fields as F
+from dataplane.client import DataPlane
+from dataplane.codec import nested_from_values, pad_nested
+from rl.backends.dataplane_policy import DataPlanePolicy
+from rl.backends.hf.policy import HFPolicy
 from rl.backends.interfaces import PolicyVersion
+from rl.backends.megatron.policy import MegatronPolicy
+from rl.checkpoint import TrainerState
 from rl.config import config_from_dict
+from rl.model import load_tokenizer
+from rl.rollout import STEP_SCHEMA
+from tests.megatron_cpu import megatron_on_cpu
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
@@ -84,10 +95,6 @@ def _steps(policy, batch, n: int) -> list[dict[str, float]]:
 def _megatron_rank(rank: int, world: int, tp: int, pp: int, model_dir: str, folder: str, prev: torch.Tensor) -> None:
     import torch.distributed as dist
 
-    from rl.backends.megatron.policy import MegatronPolicy
-    from rl.checkpoint import TrainerState
-    from tests.megatron_cpu import megatron_on_cpu
-
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
@@ -143,7 +150,6 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def transformers_backend(model_dir, tmp_path_factory) -> dict:
     """The reference: the transformers back-end on the same batch and updates, in this process."""
-    from rl.backends.hf.policy import HFPolicy
 
     policy = HFPolicy(
         _cfg(str(tmp_path_factory.mktemp("hf")), "transformers"), tokenizer=_Tokenizer(), reference_path=model_dir
@@ -222,9 +228,6 @@ def _variant_batch(logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
 def _variant_rank(rank: int, world: int, model_dir: str, folder: str, prev: torch.Tensor, loss: dict) -> None:
     import torch.distributed as dist
 
-    from rl.backends.megatron.policy import MegatronPolicy
-    from tests.megatron_cpu import megatron_on_cpu
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     with megatron_on_cpu():
@@ -248,8 +251,6 @@ def test_megatron_trains_the_loss_variants_as_the_transformers_backend(
     """GSPO with NeMo-RL's KL gradient and the off-policy correction, CISPO with its weight clipped, Dr. GRPO: two
     tensor-parallel ranks make the transformers back-end's update (two optimizer updates, the second off-policy)."""
     import torch.multiprocessing as mp
-
-    from rl.backends.hf.policy import HFPolicy
 
     loss = VARIANT_LOSSES[variant]
     prev = transformers_backend["logprobs"]
@@ -286,13 +287,6 @@ def _data_plane_rank(rank: int, world: int, model_dir: str, folder: str) -> None
     """Two replicas of two tensor-parallel ranks: the step's rows go through the data-plane entry points."""
     import torch.distributed as dist
 
-    from dataplane import fields as F
-    from dataplane.client import DataPlane
-    from dataplane.codec import nested_from_values
-    from rl.backends.megatron.policy import MegatronPolicy
-    from rl.rollout import STEP_SCHEMA
-    from tests.megatron_cpu import megatron_on_cpu
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     dp = DataPlane(f"{folder}/dp", "run")
@@ -304,7 +298,7 @@ def _data_plane_rank(rank: int, world: int, model_dir: str, folder: str) -> None
         def nested(x: torch.Tensor):
             return nested_from_values(torch.cat([row[:n] for row, n in zip(x, lengths.tolist())]), lengths)
 
-        dp.register_partition("step_000001", fields=STEP_SCHEMA, consumers=["prev_lp", "ref_lp", "train"])
+        dp.register_partition("step_000001", fields=STEP_SCHEMA)
         box = [
             dp.put(
                 "step_000001",
@@ -332,8 +326,9 @@ def _data_plane_rank(rank: int, world: int, model_dir: str, folder: str) -> None
             _cfg(folder, "megatron", tp=2, world=4), tokenizer=_Tokenizer(), reference_path=model_dir
         )
         policy.load_checkpoint(PolicyVersion(0, model_dir), with_optimizer=True)
-        prev = policy.get_logprobs_from_meta(meta, dp)
-        metrics = policy.train_from_meta(meta.join(prev), dp, fields=F.DP_TRAIN_FIELDS, rows_per_update=4)
+        on_dataplane = DataPlanePolicy(policy, dp)
+        prev = on_dataplane.get_logprobs_from_meta(meta)
+        metrics = on_dataplane.train_from_meta(meta.join(prev), fields=F.DP_TRAIN_FIELDS, rows_per_update=4)
     torch.save(
         {"data_parallel": policy.data_parallel(), "writes": policy.writes_outputs(), "metrics": metrics, "prev": prev},
         f"{folder}/rank{rank}.pt",
@@ -343,10 +338,6 @@ def _data_plane_rank(rank: int, world: int, model_dir: str, folder: str) -> None
 
 def test_replicas_shard_the_step_and_model_parallel_ranks_share_a_shard(model_dir, transformers_backend, tmp_path):
     import torch.multiprocessing as mp
-
-    from dataplane import fields as F
-    from dataplane.client import DataPlane
-    from dataplane.codec import pad_nested
 
     hf = transformers_backend
     torch.save(hf["logprobs"], tmp_path / "prev.pt")
@@ -377,9 +368,6 @@ def test_replicas_shard_the_step_and_model_parallel_ranks_share_a_shard(model_di
 def _bf16_pipeline_rank(rank: int, world: int, model_dir: str, folder: str) -> None:
     import torch.distributed as dist
 
-    from rl.backends.megatron.policy import MegatronPolicy
-    from tests.megatron_cpu import megatron_on_cpu
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     cfg = config_from_dict({**_cfg(folder, "megatron", pp=2).to_dict(), "model": {"precision": "bfloat16"}})
@@ -393,11 +381,10 @@ def _bf16_pipeline_rank(rank: int, world: int, model_dir: str, folder: str) -> N
 
 
 def test_bf16_pipeline_stages_exchange_bf16_activations(model_dir, tmp_path):
-    """Under bf16 autocast megatron-core's residual stream is bf16, so that is what the stages send (``pipeline_dtype``);
-    the logprobs stay close to the transformers back-end's bf16 ones (its residual stream is float32, both heads are)."""
+    """Under bf16 autocast megatron-core's residual stream is bf16, so that is what the stages send
+    (``pipeline_dtype``); the logprobs stay close to the transformers back-end's bf16 ones (its residual stream is
+    float32, both heads are)."""
     import torch.multiprocessing as mp
-
-    from rl.backends.hf.policy import HFPolicy
 
     mp.spawn(_bf16_pipeline_rank, args=(2, model_dir, str(tmp_path)), nprocs=2, join=True)
     last = torch.load(tmp_path / "rank1.pt", weights_only=False)
@@ -415,10 +402,6 @@ def test_bf16_pipeline_stages_exchange_bf16_activations(model_dir, tmp_path):
 
 
 def _real_model_rank(rank: int, model_dir: str, folder: str) -> None:
-    from rl.backends.megatron.policy import MegatronPolicy
-    from rl.model import load_tokenizer
-    from tests.megatron_cpu import megatron_on_cpu
-
     del rank
     torch.set_num_threads(2)
     with megatron_on_cpu():
@@ -428,11 +411,9 @@ def _real_model_rank(rank: int, model_dir: str, folder: str) -> None:
 
 
 def test_megatron_matches_the_transformers_backend_on_the_real_model(real_model_dir, tmp_path):
-    """SmolLM2-135M-Instruct (30 layers, 9 heads in 3 key-value groups, tied) through megatron-core's GPTModel, float32."""
+    """SmolLM2-135M-Instruct (30 layers, 9 heads in 3 key-value groups, tied) through megatron-core's GPTModel,
+    float32."""
     import torch.multiprocessing as mp
-
-    from rl.backends.hf.policy import HFPolicy
-    from rl.model import load_tokenizer
 
     tok = load_tokenizer(real_model_dir)
     rows = [
@@ -454,6 +435,7 @@ def test_megatron_matches_the_transformers_backend_on_the_real_model(real_model_
     hf.load_checkpoint(PolicyVersion(0, real_model_dir), with_optimizer=False)
     diff = (torch.load(tmp_path / "logprobs.pt") - hf.get_logprobs(batch)).abs()[mask]
     print(
-        f"\n[megatron vs transformers, SmolLM2-135M, float32, CPU] {int(mask.sum())} tokens: max |diff| {float(diff.max()):.1e}, mean {float(diff.mean()):.1e} nats"
+        f"\n[megatron vs transformers, SmolLM2-135M, float32, CPU] {int(mask.sum())} tokens: max |diff| "
+        f"{float(diff.max()):.1e}, mean {float(diff.mean()):.1e} nats"
     )
     assert float(diff.max()) < 2e-4 and float(diff.mean()) < 5e-5

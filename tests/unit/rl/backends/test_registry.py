@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from rl.backends import registry
+from rl.backends.interfaces import GenerationBackend, PolicyBackend
 
 
 def test_unknown_names_list_the_valid_ones():
@@ -32,14 +33,15 @@ def test_a_missing_package_names_the_install_command(monkeypatch):
 
 
 def test_the_registered_classes_implement_their_interface():
-    from rl.backends.interfaces import GenerationBackend, PolicyBackend
-
     assert issubclass(registry.load("generation", "transformers"), GenerationBackend)
     assert issubclass(registry.load("policy", "transformers"), PolicyBackend)
 
 
 def test_config_and_rollout_import_no_back_end():
-    code = "import rl.config, rl.rollout, rl.backends.registry, tasks.types, sys; print(sorted(m for m in ('vllm', 'transformers', 'megatron') if m in sys.modules))"
+    code = (
+        "import rl.config, rl.rollout, rl.backends.registry, tasks.types, sys; "
+        "print(sorted(m for m in ('vllm', 'transformers', 'megatron') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -53,7 +55,10 @@ def test_megatron_on_a_machine_without_cuda_says_it_needs_a_gpu():
     assert registry.missing_packages("policy", "megatron") == []
     with pytest.raises(
         RuntimeError,
-        match=r"policy.backend 'megatron' needs a CUDA GPU and this machine has none .*Use policy.backend 'transformers' on CPU",
+        match=(
+            r"policy.backend 'megatron' needs a CUDA GPU and this machine has none .*Use policy.backend 'transformers' "
+            r"on CPU"
+        ),
     ):
         registry.load("policy", "megatron")
 
@@ -65,6 +70,9 @@ def test_a_missing_package_is_named_before_a_missing_gpu(monkeypatch):
     monkeypatch.setitem(registry.POLICY_BACKENDS, "fake", spec)
     with pytest.raises(
         ImportError,
-        match=r"policy.backend 'fake' needs grpoflow_no_such.core, which is not installed here: pip install -e '.\[nothing\]'",
+        match=(
+            r"policy.backend 'fake' needs grpoflow_no_such.core, which is not installed here: pip install -e "
+            r"'.\[nothing\]'"
+        ),
     ):
         registry.check_installed("policy", "fake")

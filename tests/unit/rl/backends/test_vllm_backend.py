@@ -237,7 +237,10 @@ def test_a_prompt_that_does_not_fit_max_model_len_is_refused_before_the_engine_r
     calls = len(gen._llm.calls)
     with pytest.raises(
         ValueError,
-        match=r"^config generation.max_new_tokens: 4 plus the longest prompt's 5 tokens is more than the 8 tokens of generation.vllm_cfg.max_model_len",
+        match=(
+            r"^config generation.max_new_tokens: 4 plus the longest prompt's 5 tokens is more than the 8 tokens of "
+            r"generation.vllm_cfg.max_model_len"
+        ),
     ):
         gen.generate([[1, 2], [1, 2, 3, 4, 5]], group_size=2, seed=0)
     assert len(gen._llm.calls) == calls  # nothing was submitted

@@ -49,7 +49,8 @@ def test_a_gpu_gets_chunked_prefill_no_waves_cuda_graphs_bf16_and_its_memory_sha
         "enable_sleep_mode": False,
     }  # no max_num_seqs and no max_num_batched_tokens: vLLM's own defaults for the GPU
     assert plan.dtype == "bfloat16"
-    # optim.deterministic null resolves to false on CUDA: no seed per request, no waves (CUDA resumes preempted requests)
+    # optim.deterministic null resolves to false on CUDA: no seed per request, no waves (CUDA resumes preempted
+    # requests)
     assert (plan.seeded, plan.waves, plan.sleeps) == (False, False, False)
     assert plan.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and "VLLM_CPU_KVCACHE_SPACE" not in plan.env_defaults
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl.backends.hf.decode import _group_size, generate
+from rl.backends.hf.sampling import sample_next
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
@@ -15,8 +18,6 @@ def tiny(tiny_model_dir):
 
 
 def test_shared_prompt_prefill_matches_plain_generation(tiny):
-    from rl.backends.hf.decode import _group_size, generate
-
     model, tok = tiny
     prompts = [[1, 5, 9, 13], [1, 7, 2]]
     grouped = [p for p in prompts for _ in range(3)]
@@ -31,8 +32,6 @@ def test_shared_prompt_prefill_matches_plain_generation(tiny):
 
 
 def test_inverse_cdf_sampling_draws_the_temperature_distribution():
-    from rl.backends.hf.decode import sample_next
-
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)  # [n, V]
     expected = torch.softmax(logits[0] / 0.7, -1)  # exp(l/T) / sum: [0.743, 0.178, 0.043, 0.010] (rounded)
     torch.manual_seed(0)
@@ -43,8 +42,6 @@ def test_inverse_cdf_sampling_draws_the_temperature_distribution():
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p_and_greedy_takes_the_argmax():
-    from rl.backends.hf.decode import sample_next
-
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     logits = probs.log()[None].repeat(20000, 1)
     torch.manual_seed(0)
@@ -58,8 +55,6 @@ def test_top_p_keeps_the_smallest_set_reaching_p_and_greedy_takes_the_argmax():
 
 
 def test_a_local_generator_fixes_the_samples_and_leaves_the_global_rng_alone():
-    from rl.backends.hf.decode import sample_next
-
     logits = torch.randn(64, 50)
     torch.manual_seed(1)
     before = torch.get_rng_state()

@@ -1,6 +1,6 @@
-"""The transformers back-end on an accelerator, checked on the CPU (`tests/fake_device.py`): no host tensor meets a device
-tensor in the logprob, loss, update and decode paths; the device is read once per call or step (decode: once per
-``SYNC_EVERY`` tokens); batches go up in pinned, non-blocking copies; and the numbers equal a plain CPU run's.
+"""The transformers back-end on an accelerator, checked on the CPU (`tests/fake_device.py`): no host tensor meets a
+device tensor in the logprob, loss, update and decode paths; the device is read once per call or step (decode: once
+per ``SYNC_EVERY`` tokens); batches go up in pinned, non-blocking copies; and the numbers equal a plain CPU run's.
 
 A real GPU runs the same paths in ``tests/gpu/test_device.py`` (``scripts/gpu_check.sh``)."""
 
@@ -12,16 +12,24 @@ import math
 import pytest
 import torch
 
+import rl.backends.hf.static_decode as static
+from rl.backends.hf.decode import SYNC_EVERY, generate
+from rl.backends.hf.generation import HFGeneration
+from rl.backends.hf.logprobs import batched_logprobs
+from rl.backends.hf.model import load_model
+from rl.backends.hf.policy import HFPolicy
+from rl.backends.hf.sampling import DecodeSettings
+from rl.backends.hf.train import make_optimizer, train_on_batch
+from rl.backends.interfaces import PolicyVersion
 from rl.config import config_from_dict
+from rl.model import load_tokenizer
+from rl.precision import device_generator
 from tests.fake_device import DEVICE, DeviceMismatch, fake_device, move
 from tests.helpers import grouped_batch
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from rl.backends.hf.model import load_model
-    from rl.model import load_tokenizer
-
     return load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
 
 
@@ -53,8 +61,6 @@ def test_the_fake_device_catches_a_host_tensor_meeting_a_device_tensor():
 def test_logprobs_stay_on_the_device_read_once_and_equal_the_cpu(tiny_model_dir, attention):
     """One read per call with either attention (from a 2D padding mask, transformers' SDPA path would read the mask on
     the host every forward: the prefix forward goes without one on a device, causal attention sufficing)."""
-    from rl.backends.hf.logprobs import batched_logprobs
-    from rl.backends.hf.model import load_model
 
     model = load_model(tiny_model_dir, attention, device="cpu")
     b = _batch()
@@ -76,7 +82,6 @@ def test_logprobs_stay_on_the_device_read_once_and_equal_the_cpu(tiny_model_dir,
 def test_the_update_runs_on_the_device_reads_once_per_step_and_equals_the_cpu(tiny, updates):
     """Loss, metrics and updated weights equal the CPU's (the CPU runs torch's deterministic mode and the row-wise
     embedding gradient, the device neither: same maths, float rounding apart), with one device read per step."""
-    from rl.backends.hf.train import make_optimizer, train_on_batch
 
     model, _ = tiny
     cfg = config_from_dict(
@@ -109,7 +114,6 @@ def test_the_update_runs_on_the_device_reads_once_per_step_and_equals_the_cpu(ti
 def test_an_update_without_rows_on_this_rank_keeps_its_gradient_norm_on_the_device(tiny):
     """A rank whose share of a global update is empty has no gradients; ``clip_grad_norm_`` then returns a host 0, which
     must join the step's other figures on the device (CUDA refuses a host tensor in ``torch.stack``, 0-dim or not)."""
-    from rl.backends.hf.train import make_optimizer, train_on_batch
 
     model, _ = tiny
     cfg = config_from_dict({"model": {"precision": "float32"}, "optim": {"train_micro_batch_size": 4}})
@@ -127,10 +131,6 @@ def test_decode_samples_on_the_device_with_its_generator(tiny_model_dir, attenti
     """Greedy decode gives the CPU's completions; a seeded device generator gives the same samples twice; the host's
     generator is refused for device sampling; the open rows are read once per ``SYNC_EVERY`` tokens, and nothing else
     is read per token (with a 2D mask, transformers' SDPA path would read the mask every token: one read at prefill)."""
-    from rl.backends.hf.decode import SYNC_EVERY, generate
-    from rl.backends.hf.model import load_model
-    from rl.model import load_tokenizer
-    from rl.precision import device_generator
 
     model, tok = load_model(tiny_model_dir, attention, device="cpu"), load_tokenizer(tiny_model_dir)
     rows = [p for p in ([1, 5, 9, 13], [1, 7, 2]) for _ in range(3)]
@@ -158,11 +158,6 @@ def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_repl
     """The static-cache loop (``generation.cuda_graphs``) gives the dynamic loop's greedy completions, and its
     one-token step neither reads the device nor copies from the host: inside a CUDA graph capture either would fail or
     bake a value into the graph. (The capture itself needs CUDA: ``tests/gpu/test_device.py``.)"""
-    import rl.backends.hf.static_decode as static
-    from rl.backends.hf.decode import generate
-    from rl.backends.hf.model import load_model
-    from rl.model import load_tokenizer
-    from rl.precision import device_generator
 
     model, tok = load_model(tiny_model_dir, attention, device="cpu"), load_tokenizer(tiny_model_dir)
     rows = [p for p in ([1, 5, 9, 13], [1, 7, 2]) for _ in range(3)]
@@ -208,14 +203,16 @@ def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_repl
         static.decode_static(
             model,
             rows,
-            pad_id=2,
-            eos_id=2,
-            max_new_tokens=2,
-            temperature=1.0,
-            top_p=1.0,
-            greedy=True,
-            precision="bfloat16",
-            generator=None,
+            DecodeSettings(
+                pad_id=2,
+                eos_id=2,
+                max_new_tokens=2,
+                temperature=1.0,
+                top_p=1.0,
+                greedy=True,
+                precision="bfloat16",
+                generator=None,
+            ),
             graph=False,
         )
 
@@ -223,11 +220,6 @@ def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_repl
 def test_the_back_ends_run_a_rollout_logprobs_update_and_refit_on_the_device(tiny_model_dir):
     """`HFGeneration` and `HFPolicy` end to end on the device: generate, reference and policy logprobs, top-k, an
     update, and a warm refit of the generation copy from the trained weights (device to device)."""
-    from rl.backends.hf.generation import HFGeneration
-    from rl.backends.hf.policy import HFPolicy
-    from rl.backends.hf.train import make_optimizer
-    from rl.backends.interfaces import PolicyVersion
-    from rl.model import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     cfg = config_from_dict(

@@ -1,4 +1,5 @@
-"""The LM head of `rl.backends.hf.lm_head`: exact where it claims to be, gradients equal to autograd's, bf16 close to float32."""
+"""The LM head of `rl.backends.hf.lm_head`: exact where it claims to be, gradients equal to autograd's, bf16 close to
+float32."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from rl.backends.hf.lm_head import EXACT_TOP_K, LMHead, lm_head
+from rl.backends.hf.model import load_model
 
 
 def _reference(hidden, weight, targets, temperature):
@@ -65,8 +67,6 @@ def test_bf16_head_gradients_are_close_to_float32():
 
 
 def test_a_head_that_is_not_a_bias_free_linear_map_is_refused(tiny_model_dir):
-    from rl.backends.hf.model import load_model
-
     model = load_model(tiny_model_dir)
     assert lm_head(model, "float32").weight is model.get_output_embeddings().weight
     head = model.get_output_embeddings()

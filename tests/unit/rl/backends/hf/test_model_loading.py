@@ -1,4 +1,4 @@
-"""Loading models from two threads at once (issue 29's intermittent resume crash).
+"""Loading models from two threads at once (as an async run does after a resume) leaves no weight on the meta device.
 
 transformers 5.19 builds a model inside process-wide swaps (``initialization.no_tie_weights()`` replaces the class
 attribute ``PreTrainedModel.tie_weights`` with a no-op; ``local_torch_dtype()`` calls ``torch.set_default_dtype``).
@@ -16,6 +16,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
+from dataplane import fields as F
+from rl.backends.hf.generation import HFGeneration
+from rl.backends.hf.model import load_model
+from rl.backends.hf.policy import HFPolicy
+from rl.backends.interfaces import PolicyVersion
+from rl.model import load_tokenizer
+from tests.helpers import small_config
 
 LOADS_PER_THREAD = 50
 """Two threads x 50 loads each = 100 concurrent loads per run of the stress test."""
@@ -55,8 +63,6 @@ def test_a_load_while_another_thread_builds_a_model_is_whole(tiny_model_dir, mon
     A waits for B. Both models must come out whole."""
     import transformers.modeling_utils as mu
 
-    from rl.backends.hf.model import load_model
-
     inside, release = threading.Event(), threading.Event()
     original = mu.patch_output_recorders
 
@@ -93,7 +99,6 @@ def test_a_load_while_another_thread_builds_a_model_is_whole(tiny_model_dir, mon
 def test_many_concurrent_loads_in_two_dtypes_are_all_whole(tiny_model_dir, tie_weights_guard):
     """100 loads, two threads at once (one float32 as the trainer and reference load, one bfloat16 as a GPU generation
     copy): every model has its weights tied, nothing on meta, its own dtype; torch's default dtype is float32 after."""
-    from rl.backends.hf.model import load_model
 
     bad: list[str] = []
     start = threading.Barrier(2)
@@ -118,15 +123,9 @@ def test_many_concurrent_loads_in_two_dtypes_are_all_whole(tiny_model_dir, tie_w
 
 
 def test_reference_logprobs_beside_a_generation_refit_from_disk(tiny_model_dir, tmp_path, tie_weights_guard):
-    """The issue's path, 20 times: the main thread loads the reference policy and computes its logprobs while the
+    """The resume path, 20 times: the main thread loads the reference policy and computes its logprobs while the
     collector's thread refits a generation back-end from a folder (as after a resume); both must succeed, with the
     reference logprobs equal every time."""
-    from dataplane import fields as F
-    from rl.backends.hf.generation import HFGeneration
-    from rl.backends.hf.policy import HFPolicy
-    from rl.backends.interfaces import PolicyVersion
-    from rl.model import load_tokenizer
-    from tests.helpers import small_config
 
     cfg = small_config(tmp_path, tiny_model_dir)
     tok = load_tokenizer(tiny_model_dir)

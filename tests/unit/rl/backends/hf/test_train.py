@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+import rl.backends.engine as engine
 from rl.backends.hf.logprobs import batched_logprobs, forward_logprobs
+from rl.backends.hf.model import load_model
 from rl.backends.hf.train import make_optimizer, train_on_batch
 from rl.config import config_from_dict
+from rl.loss import kl_penalty
 
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_model_dir):
-    from rl.backends.hf.model import load_model
-
     return load_model(tiny_model_dir).double()
 
 
@@ -148,7 +150,6 @@ def test_shared_prompts_are_encoded_once_with_the_same_values_and_gradients(tiny
 def test_the_update_follows_the_plain_forward_gradient_of_the_grpo_loss(tiny64):
     """train_on_batch's gradient (shared-prompt forward, packed LM head, row-wise embedding gradients into the tied
     input/output embedding) equals the GRPO loss differentiated through the model's own full forward."""
-    from rl.loss import kl_penalty
 
     class Capture(torch.optim.Optimizer):
         def __init__(self, params):
@@ -184,9 +185,6 @@ def test_the_update_accumulates_indexed_gradients_reproducibly(tiny64, monkeypat
     ``forward_logprobs``, ``weight[targets]`` in the LM head) adds with unordered atomics once it spans 32,768
     elements. The update runs with torch's deterministic algorithms (that kernel then runs serially) on the CPU
     unless ``optim.deterministic`` is false, and leaves the setting as it found it."""
-    import dataclasses
-
-    import rl.backends.engine as engine
 
     seen = []
     real = engine.micro_batch_loss
