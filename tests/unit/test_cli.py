@@ -90,9 +90,9 @@ def test_a_missing_cfg_file_says_it_does_not_exist(pyflyte, tmp_path, monkeypatc
     code, out = pyflyte("run", str(ROOT / "workflows/grpo.py"), "grpo", "--cfg", "nope.yaml")
     assert code == 2
     assert "Invalid value for '--cfg': config file 'nope.yaml': does not exist (looked for " in out
-    assert f"{tmp_path / 'nope.yaml'}); check the path (a relative path starts at the current folder)" in out.replace(
-        " /", "/"
-    )
+    # rich wraps a long path at any character: compare without whitespace
+    expected = f"{tmp_path / 'nope.yaml'}); check the path (a relative path starts at the current folder)"
+    assert "".join(expected.split()) in "".join(out.split())
     assert "Expecting value" not in out and "json object" not in out and "Traceback" not in out
 
 

@@ -11,10 +11,10 @@ import torch
 
 from dataplane import fields as F
 from rl import checkpoint
+from rl.backends.hf import train as hf_train
 from rl.backends.hf.lm_head import lm_head
 from rl.backends.hf.logprobs import batched_logprobs, hidden_states
 from rl.backends.hf.model import load_model
-from rl.backends.hf.train import train_on_batch
 from rl.backends.interfaces import TopkLogits
 from rl.backends.micro_batch import micro_batch_limits
 from rl.backends.policy_base import TrainablePolicy
@@ -131,4 +131,6 @@ class HFPolicy(TrainablePolicy):
 
     # ------------------------------------------------------------------------------------------ training
     def _update(self, batch: Mapping[str, torch.Tensor], update_sizes: Sequence[int] | None) -> dict[str, float]:
-        return train_on_batch(self.model, self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes)
+        return hf_train.train_on_batch(
+            self.model, self._optimizer, self._scheduler, batch, self._cfg, update_sizes=update_sizes
+        )
