@@ -14,7 +14,8 @@ class Field:
 
     Attributes:
         name: the column name.
-        dtype: the dtype name a partition registers for it (``int64``, ``float32``, ``bool``, ``str``; see
+        dtype: the dtype name a partition registers for it (``int64``, ``float32``, ``bool``, ``str``, ``struct``: a
+            mapping per sample, ``reward_components`` holds each sample's named rewards; see
             ``DataPlane.register_partition``).
         per_token: stored jagged, one Arrow list per sample aligned with ``input_ids`` (no padding); else one value
             per sample.
@@ -51,6 +52,9 @@ PROMPT_LENGTHS = "prompt_lengths"
 PROMPT_TEXT = "prompt"
 RESPONSE_TEXT = "response"
 ANSWER_TEXT = "answer"
+TASK_NAME = "task_name"
+ROW_ID = "row_id"
+REWARD_COMPONENTS = "reward_components"
 
 _TRAIN, _LOGPROBS, _LOSS = "train", "logprobs", "loss"
 
@@ -72,6 +76,9 @@ FIELDS = (
     Field(PROMPT_TEXT, "str", False, "rollout"),
     Field(RESPONSE_TEXT, "str", False, "rollout"),
     Field(ANSWER_TEXT, "str", False, "rollout"),
+    Field(TASK_NAME, "str", False, "rollout"),
+    Field(ROW_ID, "str", False, "rollout"),
+    Field(REWARD_COMPONENTS, "struct", False, "rollout"),
 )
 """Every field of a step partition, once: name, dtype, per-token or per-sample, writer, readers. The lists below are
 selections of it, in its order."""

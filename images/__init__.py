@@ -50,6 +50,8 @@ COMMON_PACKAGES = [
     "mlflow==3.17.2",
     "mlflow-skinny==3.17.2",
     "reasoning_gym==0.1.25",
+    "datasets==5.2.0",
+    "math-verify[antlr4_13_2]==0.9.0",
     "matplotlib",
     "pyyaml",
 ]

@@ -192,6 +192,75 @@ def reinforce_plus_plus_advantages(
     return adv * valid, baseline, var.sqrt().expand_as(adv)
 
 
+def gdpo_advantages(
+    reward_components: torch.Tensor,
+    reward_weights: torch.Tensor,
+    sample_mask: torch.Tensor,
+    *,
+    group_size: int,
+    advantage_clip: float | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDPO: each named reward normalized within its group, the weighted sum of those, normalized over the batch.
+
+    ``A_k = (r_k - mean_group(r_k)) / (std_group(r_k) + eps)`` (``r_k - mean`` where the group's ``r_k`` are all
+    equal), ``A_sum = sum_k w_k A_k``, ``A = (A_sum - mean_batch(A_sum)) / (std_batch(A_sum) + eps)`` over the valid
+    samples, then clamped to ``[-advantage_clip, advantage_clip]`` when given. A reward that does not apply to a sample
+    (NaN: a reward function returned None, or the reward belongs to another task's environment) contributes 0 to its
+    ``A_sum`` and is left out of its group's statistics. Group statistics as :func:`baseline_and_std` without
+    leave-one-out (Bessel-corrected std); the batch std is Bessel-corrected too.
+
+    Source: GDPO (arXiv 2601.05242) eqs. for ``A_k``, ``A_sum`` and the batch normalization; NVlabs/GDPO's NeMo-RL and
+    TRL implementations (TRL's ``multi_objective_aggregation="normalize_then_sum"``). With one reward and G > 1 it is
+    GRPO's group-normalized advantage, re-normalized over the batch.
+
+    Example:
+        >>> comps = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]])  # one group, K = 2 rewards
+        >>> w = torch.tensor([[1.0, 0.5]]).expand(4, 2)
+        >>> gdpo_advantages(comps, w, torch.ones(4, dtype=torch.bool), group_size=4)[0]
+        tensor([ 0.3873, -1.1619,  1.1619, -0.3873])
+
+    Args:
+        reward_components: [N, K] float32, the named rewards of each sample (NaN: does not apply), group-contiguous.
+        reward_weights: [N, K] float32, each sample's weight of each named reward (its task's weights).
+        sample_mask: [N] bool/0-1.
+        group_size: G.
+        advantage_clip: symmetric bound (> 0) on ``|A|`` after normalization; None: no clipping.
+        eps: added to the stds.
+
+    Returns:
+        ``(advantages, baseline, std)``, each [N]: the batch mean and the batch std of ``A_sum`` (one value each,
+        repeated); advantages are 0 where ``sample_mask`` is 0.
+
+    Raises:
+        ValueError: shapes disagree, or N is not a multiple of ``group_size``.
+    """
+    if reward_components.dim() != 2 or reward_components.shape != reward_weights.shape:
+        msg = (
+            f"reward_components {tuple(reward_components.shape)} and reward_weights {tuple(reward_weights.shape)} "
+            "must both be [N, K]"
+        )
+        raise ValueError(msg)
+    valid = sample_mask.to(torch.bool)  # [N]
+    total = torch.zeros(reward_components.shape[0], dtype=reward_components.dtype)  # [N]
+    for k in range(reward_components.shape[1]):
+        r = reward_components[:, k]  # [N]
+        applies = ~torch.isnan(r)  # [N]
+        filled = torch.where(applies, r, torch.zeros_like(r))
+        mean, std = baseline_and_std(filled, valid & applies, group_size=group_size, leave_one_out=False)
+        a_k = torch.where(std > 0, (filled - mean) / (std + eps), filled - mean)  # [N]
+        total = total + torch.where(applies, reward_weights[:, k] * a_k, torch.zeros_like(a_k))
+    v = valid.to(total.dtype)
+    count = v.sum().clamp(min=1)
+    mu = (v * total).sum() / count
+    var = (v * (total - mu) ** 2).sum() / (count - 1).clamp(min=1)
+    sigma = var.sqrt()
+    adv = (total - mu) / (sigma + eps) if float(sigma) > 0 else total - mu  # [N]
+    if advantage_clip is not None:
+        adv = adv.clamp(-advantage_clip, advantage_clip)
+    return adv * v, mu.expand_as(adv), sigma.expand_as(adv)
+
+
 def overlong_penalty(
     response_lengths: torch.Tensor,
     *,
@@ -241,7 +310,13 @@ class StepAdvantages:
 
 
 def advantages_for_step(
-    rewards: torch.Tensor, sample_mask: torch.Tensor, response_lengths: torch.Tensor, cfg: GRPOConfig
+    rewards: torch.Tensor,
+    sample_mask: torch.Tensor,
+    response_lengths: torch.Tensor,
+    cfg: GRPOConfig,
+    *,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: torch.Tensor | None = None,
 ) -> StepAdvantages:
     """A step's advantages as a run's config asks for them: ``grpo.reward_shaping`` added to the rewards, then the
     ``grpo.adv_estimator`` (:func:`compute_advantages` or :func:`reinforce_plus_plus_advantages`).
@@ -261,9 +336,14 @@ def advantages_for_step(
         sample_mask: [N] bool.
         response_lengths: [N] int64, response tokens per sample.
         cfg: the run's config.
+        reward_components: [N, K] float32, the named rewards (NaN: does not apply); the ``gdpo`` estimator's input.
+        reward_weights: [N, K] float32, their weights per sample.
 
     Returns:
         the step's :class:`StepAdvantages`.
+
+    Raises:
+        ValueError: the ``gdpo`` estimator without ``reward_components`` and ``reward_weights``.
     """
     g = cfg.grpo
     shaping = g.reward_shaping
@@ -276,7 +356,21 @@ def advantages_for_step(
             overlong_buffer_penalty=shaping.overlong_buffer_penalty,
         ).to(rewards.dtype)
         rewards = rewards + penalty
-    if g.adv_estimator == "reinforce_plus_plus":
+    if g.adv_estimator == "gdpo":
+        if reward_components is None or reward_weights is None:
+            msg = "grpo.adv_estimator 'gdpo' needs the named rewards: pass reward_components and reward_weights"
+            raise ValueError(msg)
+        if shaping.enabled:  # the overlong penalty is one more named reward, of weight 1
+            reward_components = torch.cat([reward_components, penalty[:, None]], dim=1)
+            reward_weights = torch.cat([reward_weights, torch.ones_like(penalty)[:, None]], dim=1)
+        adv, baseline, std = gdpo_advantages(
+            reward_components,
+            reward_weights,
+            sample_mask,
+            group_size=g.num_generations_per_prompt,
+            advantage_clip=g.advantage_clip,
+        )
+    elif g.adv_estimator == "reinforce_plus_plus":
         adv, baseline, std = reinforce_plus_plus_advantages(
             rewards,
             sample_mask,

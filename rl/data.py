@@ -20,9 +20,27 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 @dataclass(frozen=True)
 class Problem:
+    """One prompt of a dataset, as the rollout renders it and the environments score it.
+
+    Attributes:
+        question: the prompt text (a chat-messages prompt: the content of its last user message), the ``prompt``
+            column of the rollout.
+        answer: the reference answer as text, ``""`` when the dataset has none.
+        entry: what the environment receives besides the completion: a reasoning-gym problem's entry
+            (``question``, ``answer``, ``metadata``); a file dataset's row, every column but the prompt, untouched.
+        task: the name of the environment that scores it (``data.task_key``'s value, or the run's one task).
+        row_id: the dataset row it came from (``"train:41"``: split and row number in the source, from 0), kept with
+            the rollouts.
+        messages: the prompt as chat messages (``[{"role", "content"}, ...]``) used as they are, or None for a text
+            prompt (rendered with ``data.system_prompt`` and the chat template, or raw).
+    """
+
     question: str
     answer: str
     entry: dict[str, Any]
+    task: str = ""
+    row_id: str = ""
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 def split_of(question: str, val_fraction: float) -> str:
@@ -52,7 +70,10 @@ def _chunk(name: str, kwargs: tuple[tuple[str, int], ...], seed: int, split: str
     for i in range(len(ds)):
         entry = ds[i]
         if split_of(entry["question"], val_fraction) == split:
-            out.append(Problem(question=entry["question"], answer=str(entry["answer"]), entry=entry))
+            row_id = f"{split}:{name}:{seed}:{i}"  # the dataset, the chunk's seed and the item in it
+            out.append(
+                Problem(question=entry["question"], answer=str(entry["answer"]), entry=entry, task=name, row_id=row_id)
+            )
     return out
 
 

@@ -6,9 +6,10 @@ Owns the mapping from problems to the rollout columns; writes nothing (the rollo
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,9 +17,14 @@ from dataplane import fields as F
 from dataplane.codec import nested_from_values
 from rl.backends.interfaces import GenerationBackend
 from rl.config import GRPOConfig
-from rl.data import Problem, prompt_token_ids, score, train_problems
+from rl.data import Problem
 from rl.filters import informative_groups, overlong_mask
+from rl.prompts import PromptSource, prompt_source, render_prompt
+from rl.scoring import environments, score_completions
 from rl.seeding import step_seed
+
+if TYPE_CHECKING:
+    from rl.environments import EnvironmentInterface
 
 
 @dataclass
@@ -31,19 +37,24 @@ class Groups:
     token_mask: list[torch.Tensor] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    reward_components: list[dict[str, float]] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     prompt_lengths: list[int] = field(default_factory=list)
     response_lengths: list[int] = field(default_factory=list)
+    env_metrics: dict[str, float] = field(default_factory=dict)
+    """The environments' own metrics (``global_post_process_and_metrics``), ``{task}/{name}``; of the last batch
+    scored when groups are joined."""
 
     def take(self, groups: list[int], g: int) -> Groups:
         rows = [b * g + i for b in groups for i in range(g)]
-        out = Groups(problems=[self.problems[b] for b in groups])
+        out = Groups(problems=[self.problems[b] for b in groups], env_metrics=dict(self.env_metrics))
         for name in (
             "input_ids",
             "generation_logprobs",
             "token_mask",
             "responses",
             "rewards",
+            "reward_components",
             "truncated",
             "prompt_lengths",
             "response_lengths",
@@ -53,7 +64,10 @@ class Groups:
 
     def extend(self, other: Groups) -> None:
         for name, value in vars(other).items():
-            getattr(self, name).extend(value)
+            if name == "env_metrics":
+                self.env_metrics.update(value)
+            else:
+                getattr(self, name).extend(value)
 
 
 def generate_groups(
@@ -65,62 +79,70 @@ def generate_groups(
     group_size: int,
     greedy: bool,
     seed: int,
+    envs: dict[str, EnvironmentInterface] | None = None,
 ) -> Groups:
     """Generate ``group_size`` completions per problem with ``generator`` (sampling seeded by ``seed``) and score each
-    with the dataset's ``score_answer``."""
-    prompts = [prompt_token_ids(tokenizer, p.question, cfg.data.system_prompt) for p in problems]
+    with the environment of its problem's task (:func:`rl.scoring.score_completions`; ``envs`` defaults to the
+    config's, :func:`rl.scoring.environments`)."""
+    d = cfg.data
+    prompts = [
+        render_prompt(tokenizer, p, system_prompt=d.system_prompt, apply_chat_template=d.apply_chat_template)
+        for p in problems
+    ]
     gen = generator.generate(prompts, group_size=group_size, seed=seed, greedy=greedy)
+    response_ids = [[int(t) for t in ids] for ids in gen.response_token_ids]
     responses = tokenizer.batch_decode(gen.response_token_ids, skip_special_tokens=True)
     owners = [p for p in problems for _ in range(group_size)]
+    envs = envs if envs is not None else environments(cfg)
+    assert envs is not None
+    scores = score_completions(envs, owners, responses, response_ids, cfg)
     return Groups(
         problems=list(problems),
         input_ids=gen.input_ids,
         generation_logprobs=gen.generation_logprobs,
         token_mask=gen.token_mask,
         responses=responses,
-        rewards=[
-            score(p, r, cfg.data.dataset, cfg.data.dataset_kwargs, cfg.data.seed) for p, r in zip(owners, responses)
-        ],
+        rewards=scores.rewards,
+        reward_components=scores.components,
         truncated=gen.truncated.tolist(),
         prompt_lengths=gen.prompt_lengths.tolist(),
         response_lengths=gen.response_lengths.tolist(),
+        env_metrics=scores.metrics,
     )
 
 
 def sample_step(
-    generator: GenerationBackend, tokenizer: Any, cfg: GRPOConfig, *, step: int
+    generator: GenerationBackend, tokenizer: Any, cfg: GRPOConfig, *, step: int, source: PromptSource | None = None
 ) -> tuple[Groups, torch.Tensor, dict[str, float]]:
     """The B groups of ``step``; with dynamic sampling, generation batches until B informative groups.
 
     Generation batch i of step k uses training problems ``((k-1) * M + i) * B ..`` (M =
     ``dynamic_sampling_max_gen_batches``, 1 without dynamic sampling) and the sampling seed
     ``step_seed(grpo.seed, k, f"rollout/{i}")``, so every step's data and samples are fixed by its number: a
-    resumed or retried step draws the same completions.
+    resumed or retried step draws the same completions. ``source`` gives the problems at those positions (default:
+    reasoning-gym's, :func:`rl.prompts.prompt_source`).
 
     Returns:
-        ``(groups, sample_mask [N] bool, metrics)``.
+        ``(groups, sample_mask [N] bool, metrics)``; the metrics include ``reward/<task>`` and
+        ``reward/<task>/<reward name>`` (means over the samples of that task, of every generation batch), and
+        ``epoch`` and ``prompt_position`` (the stream position after the step).
 
     Raises:
         RuntimeError: fewer than B informative groups after ``dynamic_sampling_max_gen_batches`` batches.
     """
-    g, b, d = cfg.grpo.num_generations_per_prompt, cfg.grpo.num_prompts_per_step, cfg.data
+    g, b = cfg.grpo.num_generations_per_prompt, cfg.grpo.num_prompts_per_step
     dynamic = cfg.grpo.use_dynamic_sampling
     max_batches = cfg.grpo.dynamic_sampling_max_gen_batches if dynamic else 1
-    kept, seen_rewards, discarded, gen_s = Groups(), [], 0, 0.0
+    source = source if source is not None else prompt_source(cfg)
+    environments(cfg, wait=False)  # the reward workers start while the model generates
+    kept, seen, discarded, gen_s = Groups(), Groups(), 0, 0.0
     for i in range(max_batches):
-        problems = train_problems(
-            dataset=d.dataset,
-            dataset_kwargs=d.dataset_kwargs,
-            seed=d.seed,
-            val_fraction=d.val_fraction,
-            start=((step - 1) * max_batches + i) * b,
-            count=b,
-        )
+        problems = source.problems(((step - 1) * max_batches + i) * b, b)
         t0 = time.perf_counter()
         seed = step_seed(cfg.grpo.seed, step, f"rollout/{i}")
         batch = generate_groups(generator, tokenizer, problems, cfg, group_size=g, greedy=False, seed=seed)
         gen_s += time.perf_counter() - t0
-        seen_rewards += batch.rewards
+        seen.extend(batch)
         mask = _sample_mask(batch, cfg)
         if dynamic:
             batch, dropped = keep_informative(batch, mask, group_size=g)
@@ -137,6 +159,7 @@ def sample_step(
             raise RuntimeError(msg)
     kept = kept.take(list(range(b)), g)
     generated = sum(kept.response_lengths)
+    seen_rewards = seen.rewards
     metrics = {
         "reward": sum(seen_rewards) / len(seen_rewards),
         "filtered_reward": sum(kept.rewards) / len(kept.rewards),
@@ -148,8 +171,35 @@ def sample_step(
         "generated_tokens": float(generated),
         "generation_time_s": gen_s,
         "generated_tokens_per_s": generated / max(gen_s, 1e-9),
+        **per_task_rewards(seen, group_size=g),
+        **{f"env/{k}": v for k, v in seen.env_metrics.items()},
+        "epoch": float(source.epoch(prompt_position(cfg, step) - 1)),
+        "prompt_position": float(prompt_position(cfg, step)),
     }
     return kept, _sample_mask(kept, cfg), metrics
+
+
+def prompt_position(cfg: GRPOConfig, step: int) -> int:
+    """The training stream's position after step ``step``: the prompts its steps drew, ``step * M * B`` (step k draws
+    positions ``(k - 1) * M * B ..``; M = ``dynamic_sampling_max_gen_batches`` with dynamic sampling, else 1)."""
+    g = cfg.grpo
+    return step * (g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1) * g.num_prompts_per_step
+
+
+def per_task_rewards(groups: Groups, *, group_size: int) -> dict[str, float]:
+    """``reward/<task>``: the mean weighted reward of each task's samples, and ``reward/<task>/<name>``: the mean of
+    each named reward over the samples it applies to (not NaN)."""
+    owners = [p for p in groups.problems for _ in range(group_size)]
+    totals: dict[str, list[float]] = {}
+    named: dict[str, list[float]] = {}
+    for p, r, comps in zip(owners, groups.rewards, groups.reward_components):
+        totals.setdefault(p.task, []).append(r)
+        for name, v in comps.items():
+            if not math.isnan(v):
+                named.setdefault(f"{p.task}/{name}", []).append(v)
+    out = {f"reward/{t}": sum(v) / len(v) for t, v in totals.items()}
+    out.update({f"reward/{k}": sum(v) / len(v) for k, v in named.items()})
+    return out
 
 
 def keep_informative(groups: Groups, sample_mask: torch.Tensor, *, group_size: int) -> tuple[Groups, int]:
@@ -196,6 +246,9 @@ def to_columns(groups: Groups, sample_mask: torch.Tensor, *, group_size: int, we
         F.PROMPT_TEXT: [p.question for p in owners],
         F.RESPONSE_TEXT: list(groups.responses),
         F.ANSWER_TEXT: [p.answer for p in owners],
+        F.TASK_NAME: [p.task for p in owners],
+        F.ROW_ID: [p.row_id for p in owners],
+        F.REWARD_COMPONENTS: list(groups.reward_components),
     }
 
 

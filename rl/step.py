@@ -33,7 +33,9 @@ from dataplane.meta import KVBatchMeta
 from rl.advantages import StepAdvantages, advantages_for_step
 from rl.async_grpo import trajectory_age
 from rl.config import GRPOConfig
+from rl.prompts import prompt_source
 from rl.rollout import sample_step, to_columns
+from rl.scoring import reward_names
 from rl.seeding import seed_all, step_seed
 
 if TYPE_CHECKING:
@@ -91,7 +93,8 @@ def rollout_to_batch(
     g = cfg.grpo.num_generations_per_prompt
     version = generator.weight_version
     assert version is not None
-    groups, sample_mask, metrics = sample_step(generator, tokenizer, cfg, step=step)  # sample_mask [N] bool
+    source = prompt_source(cfg, root=dataplane.root_url, run_id=dataplane.run_id)  # reasoning-gym or the run's copy
+    groups, sample_mask, metrics = sample_step(generator, tokenizer, cfg, step=step, source=source)  # [N] bool
     columns = to_columns(groups, sample_mask, group_size=g, weight_version=version)  # input_ids [N, L_i] jagged, ...
     partition = paths.step_partition(step)
     dataplane.register_partition(partition, fields=F.STEP_SCHEMA)
@@ -114,12 +117,39 @@ def write_advantages(
         ``(meta, rewards, advantages)``: the meta naming ``advantages``, each row tagged with its ``baseline`` and
         ``std``; the rewards read, [N] float32; and the :class:`StepAdvantages` written.
     """
-    cols = dataplane.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS, F.PROMPT_LENGTHS])
+    gdpo = cfg.grpo.adv_estimator == "gdpo"
+    named = [F.TASK_NAME, F.REWARD_COMPONENTS] if gdpo else []
+    cols = dataplane.read(meta, [F.REWARDS, F.SAMPLE_MASK, F.INPUT_LENGTHS, F.PROMPT_LENGTHS, *named])
     rewards, lengths = cols[F.REWARDS], cols[F.INPUT_LENGTHS]  # [N] float32, [N] int64
-    adv = advantages_for_step(rewards, cols[F.SAMPLE_MASK], lengths - cols[F.PROMPT_LENGTHS], cfg)  # [N] each
+    components = weights = None
+    if gdpo:  # [N, K] float32 each: the named rewards (NaN: does not apply) and each sample's task's weights
+        components, weights = named_rewards(cfg, cols[F.TASK_NAME], cols[F.REWARD_COMPONENTS])
+    adv = advantages_for_step(
+        rewards,
+        cols[F.SAMPLE_MASK],
+        lengths - cols[F.PROMPT_LENGTHS],
+        cfg,
+        reward_components=components,
+        reward_weights=weights,
+    )  # [N] each
     per_token = nested_from_values(torch.repeat_interleave(adv.advantages, lengths), lengths)  # [N, L_i] jagged
     out = dataplane.write_columns(meta, {F.ADVANTAGES: per_token}, task_name="advantages")
     return out.stamp_tags({"baseline": adv.baseline.tolist(), "std": adv.std.tolist()}), rewards, adv
+
+
+def named_rewards(
+    cfg: GRPOConfig, tasks: list[str], components: list[dict[str, float]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``reward_components`` column as ``(components, weights)``, each [N, K] float32 over the run's reward names
+    (:func:`rl.scoring.all_reward_names`, sorted): a sample's value of each named reward (NaN where it does not apply)
+    and that reward's weight in the sample's task (0 where the task has no such reward)."""
+    per_task = reward_names(cfg)
+    names = sorted({n for task in per_task.values() for n in task})
+    values = torch.tensor(
+        [[float("nan") if c.get(n) is None else float(c[n]) for n in names] for c in components], dtype=torch.float32
+    )
+    weights = torch.tensor([[per_task.get(t, {}).get(n, 0.0) for n in names] for t in tasks], dtype=torch.float32)
+    return values.reshape(len(components), len(names)), weights.reshape(len(tasks), len(names))
 
 
 def train_fields(cfg: GRPOConfig) -> list[str]:

@@ -36,6 +36,8 @@ SCHEMA = pa.schema(
         pa.field(F.PROMPT_TEXT, pa.string()),
         pa.field(F.RESPONSE_TEXT, pa.string()),
         pa.field(F.ANSWER_TEXT, pa.string()),  # the reference answer
+        pa.field(F.TASK_NAME, pa.string()),  # the task whose environment scored it
+        pa.field(F.ROW_ID, pa.string()),  # the dataset row of its prompt ("train:41")
         pa.field(F.REWARDS, pa.float32()),
         pa.field(F.ADVANTAGES, pa.float32()),  # the sample's advantage (every one of its tokens carries it)
         pa.field(F.SAMPLE_MASK, pa.bool_()),  # True: the sample counts in the loss
@@ -54,6 +56,8 @@ _READ = (
     F.PROMPT_TEXT,
     F.RESPONSE_TEXT,
     F.ANSWER_TEXT,
+    F.TASK_NAME,
+    F.ROW_ID,
     F.REWARDS,
     F.ADVANTAGES,
     F.SAMPLE_MASK,
@@ -165,7 +169,10 @@ def to_table(cols: dict[str, Any], *, sample_ids: list[str], step: int, where: s
             name: pa.array(cols[name].numpy().astype(np.int64))
             for name in (F.PROMPT_INDEX, F.GENERATION_INDEX, F.WEIGHT_VERSION)
         },
-        **{name: pa.array(list(cols[name]), pa.string()) for name in (F.PROMPT_TEXT, F.RESPONSE_TEXT, F.ANSWER_TEXT)},
+        **{
+            name: pa.array(list(cols[name]), pa.string())
+            for name in (F.PROMPT_TEXT, F.RESPONSE_TEXT, F.ANSWER_TEXT, F.TASK_NAME, F.ROW_ID)
+        },
         F.REWARDS: pa.array(cols[F.REWARDS].float().numpy()),
         F.ADVANTAGES: pa.array(advantages),
         F.SAMPLE_MASK: pa.array(cols[F.SAMPLE_MASK].numpy().astype(bool)),

@@ -244,6 +244,7 @@ def check_placement(cfg: RunConfig, *, local: bool) -> None:
                 "use a few GiB, e.g. 2 (the cache holds only the rollout's sequences)",
             )
         return
+    _check_user_inputs_reach_pods(cfg)
     train, rollout = cfg.resources.train, cfg.resources.rollout
     if cfg.policy.backend == "megatron" and train.gpu < 1:
         fail(
@@ -264,6 +265,35 @@ def check_placement(cfg: RunConfig, *, local: bool) -> None:
             f"is {kv_gib:g} GiB but a rollout pod has resources.rollout.memory {rollout.memory}",
             "lower it (e.g. 2), or raise resources.rollout.memory above it plus the model",
         )
+
+
+def _check_user_inputs_reach_pods(cfg: RunConfig) -> None:
+    """A remote run's pods see neither this machine's disk nor its Python path: its datasets must be URLs (or hub
+    names) and its reward code importable from the project folder that pyflyte's fast registration ships.
+
+    Raises:
+        ValueError: a local dataset path, or a reward function a pod could not import.
+    """
+    from rl.environments.reward_functions import importable_in_pod
+
+    for key in ("train", "validation"):
+        spec = getattr(cfg.data, key)
+        if spec and (spec.startswith("file:") or ("://" not in spec and os.path.exists(spec))):
+            fail(
+                f"data.{key}",
+                f"is {spec!r}, a path on this machine, which the run's pods cannot read",
+                f"upload it next to dataplane.root (e.g. {cfg.dataplane.root.rstrip('/')}/datasets/) and give its URL",
+            )
+    for task, spec in cfg.task_specs().items():
+        for i, fn in enumerate(spec.get("reward_functions", [])):
+            why = importable_in_pod(str(fn["function"]), os.getcwd())
+            if why is not None:
+                fail(
+                    f"env.tasks.{task}.reward_functions[{i}]" if cfg.env.tasks else f"env.reward_functions[{i}]",
+                    f"{fn['function']!r} cannot be imported in the run's pods: {why}",
+                    "put the file inside the project folder you run pyflyte from (fast registration ships it), or "
+                    "install its package in the task images",
+                )
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:

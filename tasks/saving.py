@@ -43,7 +43,10 @@ def save_policy(cfg: RunConfig, run: RunInfo, backend: PolicyBackend, *, started
     root, so = cfg.dataplane.root, cfg.dataplane.storage_options
     step = backend.weight_version
     assert step is not None
-    state = checkpoint.TrainerState(step=step, mlflow_run_id=run.mlflow_run_id, extra={"data_position": step})
+    from rl.rollout import prompt_position
+
+    position = {"data_position": step, "prompt_position": prompt_position(cfg, step)}  # what resume checks
+    state = checkpoint.TrainerState(step=step, mlflow_run_id=run.mlflow_run_id, extra=position)
     # never prune: this save (a killed run may have left newer folders, which would count as the newest), the input
     # of this step (for its retry), and the policies later rollouts generate with (async)
     keep = {

@@ -7,6 +7,7 @@ import sys
 import time
 import uuid
 from importlib import metadata
+from typing import Any
 
 from flytekit import current_context, task
 
@@ -18,7 +19,8 @@ from rl.data import prompt_token_ids, train_problems, val_problems
 from rl.lengths import check_fits, context_limit, model_max_len
 from rl.model import load_tokenizer, resolve_model
 from rl.model_store import is_remote, materialize, publish
-from tasks import runtime, tracking
+from rl.prompts import prepare_prompts
+from tasks import lineage, runtime, tracking
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.run_config import RunConfig, check_placement
@@ -52,9 +54,12 @@ def start_run(cfg: RunConfig) -> RunInfo:
     _check_lengths(cfg, folder)
     model_path = _shared(cfg, resolved, folder, local=local)
     if cfg.checkpointing.resume_run_id:
-        return _resume(cfg, cfg.checkpointing.resume_run_id, model_path, cold_tasks=cold)
+        info = _resume(cfg, cfg.checkpointing.resume_run_id, model_path, cold_tasks=cold)
+        _prepare_prompts(cfg, info.run_id, folder, resume=True)  # the copy the run's first start made
+        return info
     # a retried start_run of a remote execution finds the MLflow run and run id of its first attempt
     run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}" if local else f"run-{execution.name}"
+    prepared = _prepare_prompts(cfg, run_id, folder)  # every bad row fails here, before the MLflow run exists
     tags = {
         "grpoflow.run_id": run_id,
         "flyte.execution_id": f"{execution.project}/{execution.domain}/{execution.name}",
@@ -64,6 +69,7 @@ def start_run(cfg: RunConfig) -> RunInfo:
     }
     params = cfg.flat_params()
     params["model.resolved_path"] = redact(model_path)
+    params.update(lineage.environment_params(cfg))
     mlflow_run_id = tracking.start_run(
         uri=cfg.tracking.uri,
         experiment_name=cfg.tracking.experiment_name,
@@ -73,6 +79,7 @@ def start_run(cfg: RunConfig) -> RunInfo:
         reuse_tag=None if local else "flyte.execution_id",
     )
     tracking.log_metrics(cfg.tracking.uri, mlflow_run_id, runtime.startup_metric("start_run", since), 0)
+    lineage.log_datasets(cfg, mlflow_run_id, prepared)
     print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {redact(model_path)}", flush=True)
     return RunInfo(
         run_id=run_id,
@@ -84,14 +91,34 @@ def start_run(cfg: RunConfig) -> RunInfo:
     )
 
 
+def _prepare_prompts(cfg: RunConfig, run_id: str, folder: str, *, resume: bool = False) -> tuple[Any, Any] | None:
+    """A file dataset (``data.train``) read, checked and prepared into the run's storage
+    (:func:`rl.prompts.prepare_prompts`), prompts too long for the context refused or skipped
+    (``data.on_overlong_prompt``); None for reasoning-gym's problems."""
+    if not cfg.data.from_files:
+        return None
+    limit = context_limit(cfg, model_max_len(folder)) if os.path.isdir(folder) else None  # a hub id: its tasks check
+    return prepare_prompts(
+        cfg,
+        root=cfg.dataplane.root,
+        run_id=run_id,
+        tokenizer=load_tokenizer(folder) if limit is not None else None,
+        max_prompt_tokens=limit[0] - cfg.generation.max_new_tokens if limit is not None else None,
+        resume=resume,
+    )
+
+
 def _check_lengths(cfg: RunConfig, folder: str) -> None:
     """Check the dataset (its first step's problems, and the validation problems) and that those prompts plus
-    ``generation.max_new_tokens`` fit the context (:mod:`rl.lengths`); the back-ends check every later prompt too."""
+    ``generation.max_new_tokens`` fit the context (:mod:`rl.lengths`); the back-ends check every later prompt too.
+    A file dataset's prompts are checked row by row as it is prepared (:func:`_prepare_prompts`)."""
 
     d = cfg.data
     limit = context_limit(cfg, model_max_len(folder)) if os.path.isdir(folder) else None  # a hub id: its tasks check
     if limit is not None:
         check_fits([], cfg.generation.max_new_tokens, *limit)  # before the dataset: no prompt fits then
+    if d.from_files:
+        return
     problems = train_problems(
         dataset=d.dataset,
         dataset_kwargs=d.dataset_kwargs,
@@ -213,6 +240,7 @@ def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = 
         )
         raise ValueError(msg)
     state = checkpoint.trainer_state_doc(url, so)
+    _check_position(cfg, step, state.get("extra") or {})
     execution = current_context().execution_id
     remote = None if execution.name == "local" else f"{execution.project}/{execution.domain}/{execution.name}"
     tracking.reopen_run(cfg.tracking.uri, state["mlflow_run_id"], execution=remote)  # its failure handler finds it
@@ -230,6 +258,25 @@ def _resume(cfg: RunConfig, run_id: str, model_path: str, *, cold_tasks: bool = 
         start_policy_path=url,
         cold_tasks=cold_tasks,
     )
+
+
+def _check_position(cfg: RunConfig, step: int, extra: dict[str, Any]) -> None:
+    """The checkpoint's position in the prompt stream against the one this config gives its step: a resumed run must
+    see exactly the prompts an uninterrupted run sees.
+
+    Raises:
+        ValueError: they differ (``grpo.num_prompts_per_step`` or dynamic sampling changed since the checkpoint).
+    """
+    from rl.rollout import prompt_position
+
+    saved, now = extra.get("prompt_position"), prompt_position(cfg, step)
+    if saved is not None and int(saved) != now:
+        msg = (
+            f"checkpointing.resume_run_id={cfg.checkpointing.resume_run_id!r}: its step {step} checkpoint is at "
+            f"position {saved} of the prompt stream, but this config puts step {step} at {now}; resume with the run's "
+            "own grpo.num_prompts_per_step, use_dynamic_sampling and dynamic_sampling_max_gen_batches"
+        )
+        raise ValueError(msg)
 
 
 def _version() -> str:

@@ -7,7 +7,8 @@ import time
 from flytekit import task
 
 from dataplane import fields as F
-from rl.data import val_problems
+from rl.prompts import prompt_source
+from rl.scoring import environments
 from tasks import runtime, tracking
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
@@ -45,14 +46,8 @@ def greedy_accuracy(
 
     started = time.time()
     runtime.set_threads()
-    d = cfg.data
-    problems = val_problems(
-        dataset=d.dataset,
-        dataset_kwargs=d.dataset_kwargs,
-        seed=d.val_seed,
-        val_fraction=d.val_fraction,
-        count=d.num_val_problems,
-    )
+    problems = prompt_source(cfg, root=cfg.dataplane.root, run_id=run.run_id).validation(cfg.data.num_val_problems)
+    environments(cfg, wait=False)  # the reward workers start while the model generates
     with runtime.generation_exclusive(run):  # an async run's collector lends its back-end for the validation
         generator = runtime.generation(cfg, run, policy)
         ready = runtime.startup_metric(task, since)
@@ -66,7 +61,9 @@ def greedy_accuracy(
     partition = f"{kind}_{policy.step:06d}"
     dp.register_partition(partition, fields=ROLLOUT_DTYPES)
     meta = dp.put(partition, columns, group_size=1, task_name=kind, id_key=kind)
-    rows = dp.read(meta, [F.PROMPT_TEXT, F.RESPONSE_TEXT, F.ANSWER_TEXT, F.REWARDS, F.TOKEN_MASK], layout="jagged")
+    rows = dp.read(
+        meta, [F.PROMPT_TEXT, F.RESPONSE_TEXT, F.ANSWER_TEXT, F.REWARDS, F.TOKEN_MASK, F.TASK_NAME], layout="jagged"
+    )
     dp.clear(partition)
     correct = (rows[F.REWARDS] >= 1.0).float()  # [N]
     lengths = rows[F.TOKEN_MASK].values().view(-1).float().sum() / len(problems)
@@ -78,12 +75,17 @@ def greedy_accuracy(
         f"timing/{kind}/total_time": time.time() - started,
         **ready,
     }
+    for task in sorted(set(rows[F.TASK_NAME])):  # per task: {kind}/accuracy/<task>, {kind}/reward/<task>
+        mine = torch.tensor([t == task for t in rows[F.TASK_NAME]])
+        out[f"{kind}/accuracy/{task}"] = float(correct[mine].mean())
+        out[f"{kind}/reward/{task}"] = float(rows[F.REWARDS][mine].mean())
     logged = tracking.log_metrics(cfg.tracking.uri, run.mlflow_run_id, out, policy.step)  # once per step
     table = {
         "step": [policy.step] * len(problems),
         "prompt": rows[F.PROMPT_TEXT],
         "completion": rows[F.RESPONSE_TEXT],
         "answer": rows[F.ANSWER_TEXT],
+        "task": rows[F.TASK_NAME],
         "reward": rows[F.REWARDS].tolist(),
         "correct": [bool(c) for c in correct],
     }

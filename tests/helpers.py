@@ -110,13 +110,6 @@ def put_config_on_s3(s3_server: str, monkeypatch: object, key: str, body: bytes)
     return f"s3://grpoflow/{key}"
 
 
-def earnable_reward(problem, response: str, dataset, dataset_kwargs, seed) -> float:
-    """A reward a tiny random model earns, in place of ``rl.rollout.score``: 1 for a response of an even number of
-    characters, else 0. Its groups mix both, so the advantages are not zero and every update moves the policy (the
-    dataset's own reward is always 0 for it: only the KL term and weight decay would move it, by ~1e-5)."""
-    return float(len(response) % 2 == 0)
-
-
 def metric_steps(uri: str, run_id: str, key: str) -> list[int]:
     from mlflow.tracking import MlflowClient
 
@@ -185,3 +178,22 @@ def grouped_batch(n: int, width: int, prompt: int, seed: int = 0) -> dict:
         "generation_logprobs": -torch.rand(n, width, generator=g),
         "reference_policy_logprobs": -torch.rand(n, width, generator=g) - 0.5,
     }
+
+
+def killed_in_step_3_and_resumed(tmp_path: Path, model: str, **overrides: dict) -> tuple[object, object]:
+    """Run ``small_config(tmp_path / "clean", ...)`` to its end; start the same config under ``tmp_path / "crash"``,
+    SIGKILL it once step 3's partition exists (before step 4's checkpoint), and resume it to its end.
+
+    Returns:
+        ``(clean, crash)``: the two runs' configs (their ``dataplane.root`` and ``tracking.uri`` hold their outputs).
+    """
+    clean = small_config(tmp_path / "clean", model, **overrides)
+    crash = small_config(tmp_path / "crash", model, **overrides)
+    run_to_end(clean.to_dict())
+    root = Path(crash.dataplane.root)
+    run_dir = kill_when(crash.to_dict(), lambda: list(root.glob("*/step_000003/_schema.json")))
+    assert not (run_dir / "checkpoints" / "step_000004").exists()
+    resumed = crash.to_dict()
+    resumed["checkpointing"]["resume_run_id"] = run_dir.name
+    assert "resuming run" in run_to_end(resumed)
+    return clean, crash

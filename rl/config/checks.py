@@ -388,6 +388,7 @@ def check_across_sections(cfg: GRPOConfig) -> None:
             "set it to true: trajectories of older weights need the off-policy correction (or set "
             "max_trajectory_age_steps 0)",
         )
+    _check_tasks(cfg)
     n = cfg.samples_per_step
     gbs = cfg.optim.train_global_batch_size
     if gbs is not None and n % gbs:
@@ -396,3 +397,41 @@ def check_across_sections(cfg: GRPOConfig) -> None:
             f"{gbs} does not divide the step's {n} samples",
             "use a divisor of num_prompts_per_step * num_generations_per_prompt",
         )
+
+
+def _check_tasks(cfg: GRPOConfig) -> None:
+    """The prompts' tasks against the environments that score them (``data`` and ``env``)."""
+    d, e = cfg.data, cfg.env
+    if d.from_files and not (e.tasks or e.reward_functions):
+        fail(
+            "env",
+            f"has no reward for the prompts of data.train={redact(d.train or '')!r}",
+            "name your reward functions, e.g. env.reward_functions: [{function: "
+            "'rl.environments.rewards:math_verify_accuracy'}] (or 'my_rewards.py:my_reward'), or give env.tasks",
+        )
+    if d.task_key is not None and not e.tasks:
+        fail(
+            "data.task_key",
+            f"is {d.task_key!r} but env.tasks is empty",
+            "map each value of that column to its environment under env.tasks, or set data.task_key to null",
+        )
+    if len(e.tasks) > 1 and d.task_key is None:
+        fail(
+            "data.task_key",
+            f"is null with {len(e.tasks)} tasks in env.tasks ({sorted(e.tasks)})",
+            "name the column that holds each row's task, e.g. data.task_key: task",
+        )
+    if e.tasks and not d.from_files and d.dataset not in e.tasks:
+        fail(
+            "env.tasks",
+            f"has no entry for the reasoning-gym dataset {d.dataset!r} (the task of its problems)",
+            f"add env.tasks.{d.dataset}, or set data.train to your own prompts",
+        )
+    from rl.environments.registry import check_environment_specs
+
+    specs = cfg.task_specs()
+    paths = {} if e.tasks else {task: "env" for task in specs}  # the run's one task: its spec is env.*
+    try:
+        check_environment_specs(specs, task_paths=paths)
+    except ValueError as err:  # one paragraph, as every config error: "config <key>: <problem>. <fix>"
+        raise ValueError(f"config {err}") from None

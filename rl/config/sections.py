@@ -32,7 +32,7 @@ from rl.config.parsing import build_config_from_json
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 # The variants a config can pick (`rl.loss`, `rl.advantages`); names as TRL and NeMo-RL spell them.
-ADV_ESTIMATORS = ("grpo", "reinforce_plus_plus")
+ADV_ESTIMATORS = ("grpo", "reinforce_plus_plus", "gdpo")
 """``grpo.adv_estimator`` (NeMo-RL's ``grpo.adv_estimator.name``)."""
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "cispo")
 """``loss.loss_type`` (TRL's): how per-token terms become the loss, and (``cispo``) which objective."""
@@ -44,6 +44,14 @@ KL_GRADIENTS = ("estimator", "reverse_kl")
 """``loss.reference_policy_kl_gradient``: what the KL term back-propagates (`rl.loss.kl_penalty`)."""
 
 C = TypeVar("C", bound="GRPOConfig")
+
+
+def _with_mappings(spec: Any) -> Any:
+    """An environment spec with each reward-function entry as a mapping (``"mod:fn"`` -> ``{"function": "mod:fn"}``)."""
+    if isinstance(spec, dict) and isinstance(spec.get("reward_functions"), list):
+        entries = [{"function": f} if isinstance(f, str) else f for f in spec["reward_functions"]]
+        return {**spec, "reward_functions": entries}
+    return spec
 
 
 @dataclass
@@ -67,25 +75,60 @@ class ModelConfig(Section):
             fail("model.precision", f"is {self.precision!r}", "use 'auto', 'bfloat16' or 'float32'")
 
 
+OVERLONG_PROMPT_POLICIES = ("refuse", "skip")
+"""``data.on_overlong_prompt``: what a prompt too long for the context does before the first step."""
+
+
 @dataclass
 class DataConfig(Section):
+    train: str | None = None
+    """Your prompts: a path or URL (local, ``file://``, ``s3://``, ``gs://``, ``az://`` or any fsspec URL, read with
+    ``dataplane.storage_options``) of a JSONL, JSON, Parquet or CSV file, a folder or glob of such shards, a folder
+    written by ``datasets``' ``save_to_disk``, or a Hugging Face hub dataset name (``openai/gsm8k``). null: the
+    reasoning-gym ``dataset``. See docs/datasets.md."""
+    validation: str | None = None
+    """Held-out prompts, in the forms ``train`` takes. null: a ``val_fraction`` share of ``train`` held out by a hash of
+    the prompt text."""
+    hf_config_name: str | None = None
+    """A hub dataset's config (the ``name`` argument of ``datasets.load_dataset``, e.g. ``main`` for gsm8k)."""
+    train_split: str = "train"
+    """The split of a hub dataset or of a ``save_to_disk`` DatasetDict that ``train`` reads."""
+    validation_split: str = "test"
+    """The split of a hub dataset or of a ``save_to_disk`` DatasetDict that ``validation`` reads."""
+    prompt_key: str = "prompt"
+    """The column holding each prompt: a string (rendered with ``system_prompt`` and the model's chat template, or raw
+    with ``apply_chat_template: false``), or chat messages ``[{role, content}, ...]`` used as they are."""
+    answer_key: str | None = None
+    """The column of reference answers (optional): logged beside each completion, and passed to reward functions as
+    ``answer`` besides its own name."""
+    task_key: str | None = None
+    """The column naming each row's task, which picks its environment from ``env.tasks`` (optional: without it every
+    row is the run's one task)."""
+    apply_chat_template: bool = True
+    """Render text prompts with the model's chat template (instruct models); false: the raw text, tokenized as it is
+    (base models). Messages prompts always use the template."""
+    on_overlong_prompt: str = "refuse"
+    """A prompt longer than the model's positions minus ``generation.max_new_tokens``: ``refuse`` (fail before the
+    first step, naming the row) or ``skip`` (leave it out, counted and logged as ``data/skipped_overlong``)."""
+    shuffle: bool = True
+    """Shuffle ``train`` every epoch (a permutation drawn from ``seed`` and the epoch); false: file order."""
     dataset: str = "chain_sum"
-    """reasoning-gym dataset name (``chain_sum``, ``basic_arithmetic``, ...)."""
+    """reasoning-gym dataset name (``chain_sum``, ``basic_arithmetic``, ...), used when ``train`` is null."""
     dataset_kwargs: dict = field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     )
     """Extra arguments of the reasoning-gym dataset config (name -> bool, number, string or null), passed
     through with their types (``{"p_correct": 0.5, "allow_negation": true}``)."""
     seed: int = 42
-    """Seed of the training problem stream."""
+    """Seed of the training problem stream (and of a file dataset's per-epoch shuffle)."""
     val_seed: int = 4242
     """Seed of the validation problems."""
     num_val_problems: int = 32
-    """Validation problems per pass (greedy, one completion each)."""
+    """Validation problems per pass (greedy, one completion each); a validation file with fewer rows gives all."""
     val_fraction: float = 0.2
     """Share of the question space (by a hash of the question text) held out for validation only."""
     system_prompt: str = "Answer with the final number only."
-    """System message put before every question (via the tokenizer's chat template)."""
+    """System message put before every text prompt (via the tokenizer's chat template); empty: none."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -100,6 +143,67 @@ class DataConfig(Section):
             fail("data.num_val_problems", f"is {self.num_val_problems}", "use at least 1")
         if not 0.0 < self.val_fraction < 1.0:
             fail("data.val_fraction", f"is {self.val_fraction}", "use a value strictly between 0 and 1, e.g. 0.2")
+        if self.on_overlong_prompt not in OVERLONG_PROMPT_POLICIES:
+            fail(
+                "data.on_overlong_prompt",
+                f"is {self.on_overlong_prompt!r}",
+                f"use one of {list(OVERLONG_PROMPT_POLICIES)}",
+            )
+        for name in ("train", "validation", "prompt_key", "answer_key", "task_key"):
+            if getattr(self, name) == "":
+                fail(f"data.{name}", "is an empty string", "name it, or write null to leave it unset")
+        if self.validation is not None and self.train is None:
+            fail(
+                "data.validation",
+                "is set without data.train",
+                "set data.train to your training prompts too (reasoning-gym holds out its own validation problems)",
+            )
+        if self.train is not None:
+            for name in ("train", "validation"):
+                refuse_credentials(getattr(self, name), f"data.{name}")
+
+    @property
+    def from_files(self) -> bool:
+        """The prompts come from ``train`` (a file, folder, URL or hub dataset), not from reasoning-gym."""
+        return self.train is not None
+
+
+@dataclass
+class EnvConfig(Section):
+    """The environments that score completions (NeMo-RL's ``task_to_env``): reasoning-gym's scorer for its own
+    problems, or reward functions written for TRL's ``GRPOTrainer``. See docs/environments.md."""
+
+    reward_functions: list = field(default_factory=list)
+    """The reward functions of the run's one task: ``[{function: "pkg.module:fn" or "path/to/file.py:fn", weight:
+    1.0, name: "fn"}, ...]``, each called as TRL calls its ``reward_funcs``; ``train/reward`` is their weighted sum.
+    Empty with reasoning-gym prompts: its own scorer."""
+    tasks: dict = field(default_factory=dict)
+    """Several tasks in one run: task name (a value of the ``data.task_key`` column) -> its environment,
+    ``{reward_functions: [...]}`` or ``{reasoning_gym: {dataset: chain_sum, dataset_kwargs: {...}}}``. Metrics are
+    logged per task (``train/reward/<task>``, ``validation/accuracy/<task>``)."""
+    num_workers: int = 2
+    """Worker processes that run reward code (isolated from the rollout's process)."""
+    timeout_s: float = 120.0
+    """Seconds one batch of reward code may take before the rollout fails naming the function."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.num_workers < 1:
+            fail("env.num_workers", f"is {self.num_workers}", "use at least 1")
+        if self.timeout_s <= 0:
+            fail("env.timeout_s", f"is {self.timeout_s}", "use a positive number of seconds, e.g. 120")
+        if not all(isinstance(f, dict) for f in self.reward_functions):
+            fail(
+                "env.reward_functions",
+                f"expected a list of mappings, got {describe(self.reward_functions)}",
+                'write each entry as {function: "package.module:function" or "path/to/file.py:function", weight: 1.0}',
+            )
+        if self.reward_functions and self.tasks:
+            fail(
+                "env.reward_functions",
+                "is set beside env.tasks",
+                "give each task its reward_functions under env.tasks.<task>, or use env.reward_functions alone",
+            )
 
 
 @dataclass
@@ -148,7 +252,10 @@ class GRPOSettings(Section):
     (``use_leave_one_out_baseline``), divided by the group's std with ``normalize_rewards``. RLOO is ``grpo`` with the
     leave-one-out baseline and ``normalize_rewards: false``; Dr. GRPO with both false (and ``loss.loss_type:
     dr_grpo``). ``reinforce_plus_plus``: REINFORCE++ (arXiv 2501.03262) with the group-mean baseline, normalized over
-    the batch's response tokens; it ignores the two GRPO settings. See ``rl/advantages.py`` and docs/variants.md."""
+    the batch's response tokens; it ignores the two GRPO settings. ``gdpo``: GDPO (arXiv 2601.05242), each named
+    reward of the environment normalized within its group before the weighted sum, which is then normalized over the
+    batch (for several reward functions, instead of normalizing their sum). See ``rl/advantages.py`` and
+    docs/variants.md."""
     use_leave_one_out_baseline: bool = True
     """``grpo`` estimator: baseline of a sample = mean reward of the other samples of its group (false: of the
     group)."""
@@ -682,7 +789,10 @@ class GRPOConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train and the precision of its forward passes."""
     data: DataConfig = field(default_factory=DataConfig)
-    """The reasoning-gym problems: dataset, seeds, validation split, system prompt."""
+    """The prompts: your files or a hub dataset and their columns, or reasoning-gym's problems; seeds, validation split,
+    system prompt."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environments and reward functions that score completions, per task."""
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
     """The GRPO loop: prompts and completions per step, steps, validation, advantages and their estimator."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -737,6 +847,26 @@ class GRPOConfig(Section):
                 '--cfg': config grpo.max_num_steps: ...``) instead of a traceback.
         """
         return build_config_from_json(text, root=cls)
+
+    def task_specs(self) -> dict[str, dict[str, Any]]:
+        """Task name -> its environment's spec (``rl.environments.registry.build_environments``): ``env.tasks`` as
+        given, else the run's one task, ``default`` for ``data.train`` prompts (the reasoning-gym dataset's name for
+        its problems), scored by ``env.reward_functions`` or by reasoning-gym's own scorer."""
+        d, e = self.data, self.env
+        if e.tasks:
+            return {task: _with_mappings(spec) for task, spec in e.tasks.items()}
+        name = "default" if d.from_files else d.dataset
+        if e.reward_functions:
+            return {name: {"reward_functions": list(e.reward_functions)}}
+        return {
+            name: {"reasoning_gym": {"dataset": d.dataset, "dataset_kwargs": dict(d.dataset_kwargs), "seed": d.seed}}
+        }
+
+    @property
+    def default_task(self) -> str:
+        """The task of a row without ``data.task_key``: the one task of :meth:`task_specs`."""
+        specs = self.task_specs()
+        return next(iter(specs)) if len(specs) == 1 else "default"
 
     def flat_params(self) -> dict[str, str]:
         """Flattened ``section.key -> str(value)`` for MLflow params: storage options left out, and credentials

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import earnable_reward, kill_when, metric_steps, run_to_end, small_config
+from tests.helpers import kill_when, metric_steps, run_to_end, small_config
+from tests.rewards import EARNABLE
 
 
 def _run(tmp_path: Path, model: str, monkeypatch, collector: str, **overrides: dict):
@@ -75,12 +76,15 @@ mean 1 under the sampler, so the mean's distance from 1 is sampling noise (0.002
 @pytest.mark.parametrize("age", [1, 2])
 def test_collector_equals_the_rollout_task_path_and_bounds_the_age(tmp_path, tiny_model_dir, monkeypatch, age):
     """The off-policy gap is large by construction. With a reward the tiny model earns
-    (:func:`tests.helpers.earnable_reward`) every group has non-zero advantages, and AdamW's first update moves every
+    (:func:`tests.rewards.earnable`) every group has non-zero advantages, and AdamW's first update moves every
     parameter with a non-zero gradient by about ``optim.lr`` (1e-3 here; m/sqrt(v) = g/|g| at its first step,
     whatever the gradient's scale), 5% of the tiny model's 0.02 initial weight scale. So a step trained on a batch
     sampled one or two updates earlier weights its tokens by ratios far from 1, on any machine."""
-    monkeypatch.setattr("rl.rollout.score", earnable_reward)
-    overrides = {"grpo": {"max_num_steps": 4, "val_period": 2, "max_trajectory_age_steps": age}, **ASYNC}
+    overrides = {
+        "grpo": {"max_num_steps": 4, "val_period": 2, "max_trajectory_age_steps": age},
+        "env": EARNABLE,
+        **ASYNC,
+    }
     cfg_task, task = _run(tmp_path / "task", tiny_model_dir, monkeypatch, "off", **overrides)  # as on a cluster
     cfg_coll, coll = _run(tmp_path / "coll", tiny_model_dir, monkeypatch, "auto", **overrides)  # background thread
     assert task.final_step == coll.final_step == 4

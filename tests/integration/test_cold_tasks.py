@@ -4,7 +4,8 @@ server on loopback) and MLflow (a real ``mlflow server``). The default checkpoin
 no full checkpoint: the train task of step 2, a process of its own, must still find step 1's optimizer state.
 The run uses the default model, which exists only where ``start_run`` converted it, in its own pod's home cache;
 each pod has its own HOME and caches, deleted when it exits, so the other pods get the model only from storage.
-The result equals a run of the same config through the local executor (one warm process), bit for bit.
+The result equals a run of the same config through the local executor (one warm process), bit for bit. The run is
+scored by reward functions of the user's project folder, which every rollout pod imports.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def _weights(url: str, storage_options: dict) -> dict[str, torch.Tensor]:
 
     folder = Path(local_copy(url, storage_options, require_complete=True))
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+USER_REWARDS = {
+    "reward_functions": [
+        {"function": "tests.rewards:earnable"},  # a module of the project folder
+        {"function": "examples/rewards.py:brevity", "weight": 0.5},  # a file of it, by path
+    ]
+}
+"""Reward code from the user's folder, which pyflyte's fast registration ships to the pods (here: their working
+directory is the project folder, as a fast-registered pod's is)."""
 
 
 def _converted(tiny_model_dir: str, cache: Path) -> None:
@@ -64,6 +75,7 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
         checkpointing={"checkpoint_period": 2, "keep_last_k": 1},  # step 1: weights only, as on a cluster by default
         dataplane={"root": f"{prefix}/cold", "storage_options": so},
         tracking={"uri": mlflow_server, "experiment_name": "cold"},
+        env=USER_REWARDS,
     )
     with fake_images():
         entities = serialize(settings())
@@ -99,6 +111,9 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
     uri, run_id = cfg.tracking.uri, summary.mlflow_run_id
     assert metric_steps(uri, run_id, "train/loss") == [1, 2]
     assert metric_steps(uri, run_id, "validation/accuracy") == [2]
+    # the reward file of the user's project folder and a module of it resolved in every rollout pod
+    for name in ("earnable", "brevity"):
+        assert metric_steps(uri, run_id, f"train/reward/chain_sum/{name}") == [1, 2], name
     for task in ("rollout", "reference_logprobs", "advantages", "train"):
         assert metric_steps(uri, run_id, f"timing/{task}/startup") == [1, 2], task
     assert metric_steps(uri, run_id, "timing/validate/startup") == [2]
@@ -141,6 +156,7 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
         checkpointing={"checkpoint_period": 2, "keep_last_k": 1},
         dataplane={"root": f"{prefix}/warm", "storage_options": so},
         tracking={"uri": mlflow_server, "experiment_name": "warm"},
+        env=USER_REWARDS,
     )
     warm = grpo(cfg=warm_cfg)
     assert not fs.exists(f"{prefix}/warm/{MODELS}".removeprefix("s3://"))  # a local run loads the model where it is

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import kill_when, run_to_end, small_config
+from tests.helpers import killed_in_step_3_and_resumed, small_config
 
 
 def _final_weights(root: Path) -> dict[str, torch.Tensor]:
@@ -27,17 +27,8 @@ def test_sigkill_during_step_3_then_resume_is_exact(tmp_path, tiny_model_dir):
     overrides = dict(
         grpo={"max_num_steps": 4, "val_period": 0}, checkpointing={"checkpoint_period": 2, "keep_last_k": 2}
     )
-    clean = small_config(tmp_path / "clean", tiny_model_dir, **overrides)
-    crash = small_config(tmp_path / "crash", tiny_model_dir, **overrides)
-
-    run_to_end(clean.to_dict())
+    clean, crash = killed_in_step_3_and_resumed(tmp_path, tiny_model_dir, **overrides)
     root = Path(crash.dataplane.root)
-    run_dir = kill_when(crash.to_dict(), lambda: list(root.glob("*/step_000003/_schema.json")))
-    assert not (run_dir / "checkpoints" / "step_000004").exists()
-
-    resumed = crash.to_dict()
-    resumed["checkpointing"]["resume_run_id"] = run_dir.name
-    assert "resuming run" in run_to_end(resumed)
 
     a, b = _final_weights(Path(clean.dataplane.root)), _final_weights(root)
     assert a.keys() == b.keys()

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import earnable_reward, metric_steps, small_config
+from tests.helpers import metric_steps, small_config
+from tests.rewards import EARNABLE
 
 # the reference's metric list (NeMo-RL grpo.py, see the digest), logged at every step
 STEP_METRICS = [
@@ -63,10 +64,10 @@ STEP_METRICS = [
 
 # Per-step values (steps 1, 2) of the two-step run below, pinned as torchtune's recipe tests pin their losses:
 # float32 on the CPU gives the same values on every run (it was run twice), so a change of the maths, of an RNG draw
-# or of their order moves them. The run is rewarded by `earnable_reward` (the tiny model never earns the dataset's
-# reward: its loss and gradient would be ~0 and pin nothing). To regenerate after an intended change: set each list
-# to [], run `python -m pytest tests/integration/test_workflow.py -k two_steps_through_local_executor` and copy the
-# values each failure prints.
+# or of their order moves them. The run is rewarded by `tests.rewards.earnable` (the tiny model never earns the
+# dataset's reward: its loss and gradient would be ~0 and pin nothing). To regenerate after an intended change: set
+# each list to [], run `python -m pytest tests/integration/test_workflow.py -k two_steps_through_local_executor` and
+# copy the values each failure prints.
 GOLDEN = {
     "transformers": {
         "train/loss": [4.842877388000488e-08, -0.0457125548273325],
@@ -104,9 +105,8 @@ def test_two_steps_through_local_executor(tmp_path, tiny_model_dir, backend, mon
 
     from workflows.grpo import grpo
 
-    monkeypatch.setattr("rl.rollout.score", earnable_reward)  # advantages that move the policy: values worth pinning
-
-    cfg = small_config(tmp_path, tiny_model_dir, generation={"backend": backend})
+    # rewarded by tests.rewards.earnable: advantages that move the policy, values worth pinning
+    cfg = small_config(tmp_path, tiny_model_dir, generation={"backend": backend}, env=EARNABLE)
     summary = grpo(cfg=cfg)
 
     assert summary.final_step == 2

@@ -296,3 +296,58 @@ def test_reinforce_plus_plus_edges_equal_group_invalid_sample_and_empty_response
     assert mu == pytest.approx(1 / 7)
     assert adv.tolist() == pytest.approx(want, abs=1e-12)
     assert adv[2] == adv[3] == adv[4] < 0  # an equal group is not 0 here: -mu / sigma (unlike GRPO)
+
+
+def test_gdpo_normalizes_each_named_reward_in_its_group_then_the_weighted_sum_over_the_batch():
+    """Two groups of G = 3 with rewards correct (weight 1) and format (weight 0.5). By hand: group 0's correct
+    [1, 0, 0] normalizes to [2, -1, -1] / sqrt(3) (mean 1/3, Bessel std 1/sqrt(3)), its format [1, 1, 0] to
+    [1, 1, -2] / sqrt(3); group 1's correct is all 1 (std 0: contributes 0) and format [0, 1, 0] gives [-1, 2, -1] /
+    sqrt(3). The weighted sums, then the batch's (Bessel) normalization."""
+    from rl.advantages import gdpo_advantages
+
+    comps = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    weights = torch.tensor([[1.0, 0.5]]).expand(6, 2)
+    adv, mean, std = gdpo_advantages(comps, weights, torch.ones(6, dtype=torch.bool), group_size=3)
+    s3 = 3**0.5
+    a_sum = torch.tensor([2 + 0.5, -1 + 0.5, -1 - 1.0, -0.5, 1.0, -0.5]) / s3
+    want = (a_sum - a_sum.mean()) / a_sum.std()
+    assert torch.allclose(adv, want, atol=1e-5)
+    assert mean[0].item() == pytest.approx(a_sum.mean().item(), abs=1e-6)
+    assert std[0].item() == pytest.approx(a_sum.std().item(), rel=1e-5)
+
+
+def test_gdpo_leaves_out_rewards_that_do_not_apply_and_masked_samples():
+    """NaN (a reward function's None, or another task's reward) adds nothing and stays out of the group's statistics;
+    a masked sample gets 0 and stays out of the batch's."""
+    from rl.advantages import gdpo_advantages
+
+    nan = float("nan")
+    comps = torch.tensor([[1.0, nan], [0.0, nan], [nan, 3.0], [nan, 1.0]])  # task a: reward 0; task b: reward 1
+    weights = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 2.0], [0.0, 2.0]])
+    mask = torch.tensor([True, True, True, True])
+    adv, _, _ = gdpo_advantages(comps, weights, mask, group_size=2)
+    # a group of two, [1, 0] or [3, 1]: mean halfway, Bessel std |r0 - r1| / sqrt(2), so +-0.7071 before the weights
+    a_sum = torch.tensor([0.7071068, -0.7071068, 2 * 0.7071068, -2 * 0.7071068])
+    assert torch.allclose(adv, (a_sum - a_sum.mean()) / a_sum.std(), atol=1e-5)
+    assert not torch.isnan(adv).any()
+    masked = gdpo_advantages(comps, weights, torch.tensor([True, True, True, False]), group_size=2)[0]
+    assert masked[3].item() == 0.0
+
+
+def test_the_gdpo_estimator_needs_the_named_rewards():
+    from rl.advantages import advantages_for_step
+    from rl.config import config_from_dict
+
+    cfg = config_from_dict({"grpo": {"adv_estimator": "gdpo", "num_generations_per_prompt": 2}})
+    r = torch.tensor([1.0, 0.0])
+    with pytest.raises(ValueError, match="'gdpo' needs the named rewards"):
+        advantages_for_step(r, torch.ones(2, dtype=torch.bool), torch.tensor([3, 4]), cfg)
+    out = advantages_for_step(
+        r,
+        torch.ones(2, dtype=torch.bool),
+        torch.tensor([3, 4]),
+        cfg,
+        reward_components=r[:, None],
+        reward_weights=torch.ones(2, 1),
+    )
+    assert torch.allclose(out.advantages, torch.tensor([0.7071068, -0.7071068]), atol=1e-5)

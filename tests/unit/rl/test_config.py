@@ -120,8 +120,8 @@ def test_defaults_are_valid_and_json_safe():
         (
             "grpo",
             {"adv_estimator": "rloo"},
-            r"^config grpo.adv_estimator: is 'rloo'; use one of \['grpo', 'reinforce_plus_plus'\] \(RLOO and Dr. "
-            r"GRPO are settings of 'grpo'\)",
+            r"^config grpo.adv_estimator: is 'rloo'; use one of \['grpo', 'reinforce_plus_plus', 'gdpo'\] "
+            r"\(RLOO and Dr. GRPO are settings of 'grpo'\)",
         ),
         (
             "loss",

@@ -48,6 +48,7 @@ def test_dynamic_sampling_keeps_one_correct_of_four_whole():
         token_mask=[torch.ones(1, dtype=torch.bool)] * 8,
         responses=[f"r{i}" for i in range(8)],
         rewards=[1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        reward_components=[{"score": r} for r in (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)],
         truncated=[False] * 8,
         prompt_lengths=[1] * 8,
         response_lengths=[1] * 8,
@@ -55,4 +56,5 @@ def test_dynamic_sampling_keeps_one_correct_of_four_whole():
     kept, discarded = keep_informative(groups, torch.ones(8, dtype=torch.bool), group_size=4)
     assert [p.question for p in kept.problems] == ["q0"]
     assert kept.responses == ["r0", "r1", "r2", "r3"] and kept.rewards == [1.0, 0.0, 0.0, 0.0]
+    assert kept.reward_components == [{"score": 1.0}, {"score": 0.0}, {"score": 0.0}, {"score": 0.0}]
     assert discarded == 4

@@ -59,6 +59,9 @@ def _put_step(dp: DataPlane):
         F.PROMPT_TEXT: ["1 + 2 =", "1 + 2 =", "4 - 1 =", "4 - 1 ="],
         F.RESPONSE_TEXT: ["3", "4", "<answer>3</answer>", ""],
         F.ANSWER_TEXT: ["3", "3", "3", "3"],
+        F.TASK_NAME: ["chain_sum"] * 4,
+        F.ROW_ID: ["train:0", "train:0", "train:5", "train:5"],
+        F.REWARD_COMPONENTS: [{"reasoning_gym": r} for r in REWARDS],
     }
     dp.register_partition(f"step_{STEP:06d}", fields=STEP_SCHEMA)
     meta = dp.put(f"step_{STEP:06d}", columns, group_size=2, task_name="rollout", id_key="rollout")
@@ -88,6 +91,8 @@ def test_keep_writes_one_plain_parquet_row_per_sample(step):
         pa.string(),
         pa.string(),
         pa.string(),
+        pa.string(),  # task_name
+        pa.string(),  # row_id
         pa.float32(),
         pa.float32(),
         pa.bool_(),
@@ -108,6 +113,8 @@ def test_keep_writes_one_plain_parquet_row_per_sample(step):
         "prompt": "1 + 2 =",
         "response": "3",
         "answer": "3",
+        "task_name": "chain_sum",
+        "row_id": "train:0",
         "rewards": 1.0,
         "advantages": 0.5,
         "sample_mask": True,
@@ -130,7 +137,7 @@ def test_pandas_reads_it_by_url(step):
     cfg, dp, meta = step
     url = kept_rollouts.keep(cfg, RUN, dp, meta, STEP)
     df = pd.read_parquet(url, storage_options=cfg.dataplane.storage_options or None)
-    assert df.shape == (4, 15)
+    assert df.shape == (4, 17)
     assert df.groupby("prompt_index")["rewards"].mean().tolist() == [0.5, 0.5]  # (1 + 0) / 2, (0.75 + 0.25) / 2
     assert df.loc[2, "generation_logprobs"].tolist() == [-0.125, -3.0]
 
