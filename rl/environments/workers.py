@@ -308,6 +308,15 @@ def _where(i: int, row_ids: Sequence[str | None] | None) -> str:
     return f"sample {i} of the batch" + (f" (row_id {row!r})" if row is not None else "")
 
 
+def _short_temp_dir() -> bool:
+    """Whether the forkserver's socket fits in this process's temporary folder: an ``AF_UNIX`` path has at most 107
+    bytes, and the server binds ``{temp}/pymp-XXXXXXXX/listener-XXXXXXXX`` (a pod with a deep ``TMPDIR`` gets
+    ``spawn`` workers instead of ``OSError: AF_UNIX path too long``)."""
+    from multiprocessing import util
+
+    return len(os.fsencode(util.get_temp_dir())) + len("/listener-12345678") < 107
+
+
 class RewardWorkerPool:
     """A persistent pool of ``num_workers`` processes that run reward functions on batches.
 
@@ -329,7 +338,7 @@ class RewardWorkerPool:
             msg = f"RewardWorkerPool needs num_workers >= 1 and timeout_s > 0, got {num_workers} and {timeout_s}"
             raise ValueError(msg)
         methods = multiprocessing.get_all_start_methods()
-        method = start_method or ("forkserver" if "forkserver" in methods else "spawn")
+        method = start_method or ("forkserver" if "forkserver" in methods and _short_temp_dir() else "spawn")
         if method not in ("forkserver", "spawn") or method not in methods:
             raise ValueError(f"start_method must be 'forkserver' or 'spawn' (available: {methods}), got {method!r}")
         self.num_workers = int(num_workers)

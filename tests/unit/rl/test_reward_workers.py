@@ -178,3 +178,30 @@ def test_a_column_that_cannot_be_pickled_is_named(pool):
     )
     assert "Every column value passed to a reward function must be picklable" in msg
     assert pool.run(f"{FIX}:reward_len", batch(), 8) == [-8.0] * 8
+
+
+def test_a_process_with_a_deep_temp_folder_gets_spawn_workers_that_score(tmp_path):
+    """A pod's TMPDIR can be deeper than an AF_UNIX socket path allows (107 bytes), where the forkserver cannot bind
+    its socket: the pool starts spawn workers there instead, and they score."""
+    import subprocess
+    import sys
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    code = (
+        "from rl.environments.workers import RewardWorkerPool\n"
+        "p = RewardWorkerPool(1, 60)\n"
+        "print(p._ctx.get_start_method())\n"
+        "p.warm_up(['tests.rewards:earnable'])\n"
+        "print(p.run('tests.rewards:earnable', {'completions': ['ab', 'abc']}, 2, shared={}, row_ids=['a', 'b']))\n"
+        "p.close()\n"
+    )
+    import os
+
+    env = {**os.environ, "TMPDIR": str(deep)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[0] == "spawn"
+    assert out.stdout.splitlines()[1] == "[1.0, 0.0]"
