@@ -138,8 +138,8 @@ _BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpoflow-enviro
 
 def environments(cfg: GRPOConfig, *, wait: bool = True) -> dict[str, EnvironmentInterface] | None:
     """The config's environments (task -> environment, :func:`rl.environments.registry.build_environments`), built
-    once per process and config, in a background thread, and closed when the process exits (their worker processes
-    with them).
+    once per process and config, in a background thread, and closed when the process exits or asks for another
+    config's (their worker processes with them).
 
     ``wait=False`` starts the build and returns None at once: the rollout calls it before generating, so that the
     reward workers start (and import the reward code) while the model generates; the scoring call then waits for them.
@@ -152,8 +152,10 @@ def environments(cfg: GRPOConfig, *, wait: bool = True) -> dict[str, Environment
     key = json.dumps([specs, cfg.env.num_workers, cfg.env.timeout_s], sort_keys=True, default=str)
     with _LOCK:
         future = _BUILT.get(key)
+        stale = [] if future is not None else [_BUILT.pop(k) for k in list(_BUILT)]
         if future is None:
             future = _BUILT[key] = _BUILDER.submit(_build, cfg, specs)
+    _close(stale)  # another config's: a process scores with one config at a time, its idle workers go
     if not wait:
         return None
     try:
@@ -182,6 +184,10 @@ def close_environments() -> None:
     with _LOCK:
         futures = list(_BUILT.values())
         _BUILT.clear()
+    _close(futures)
+
+
+def _close(futures: list[Future]) -> None:
     for future in futures:
         try:
             envs = future.result()

@@ -33,6 +33,7 @@ import numbers
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -142,16 +143,32 @@ _LOAD_ERRORS: dict[str, tuple[str, str, str]] = {}
 """In a worker: the preloaded references that failed to load -> (type, message, last frame)."""
 
 
-def _init_worker(cwd: str, path: list[str], preload: list[str]) -> None:
+def _init_worker(cwd: str, path: list[str], preload: list[str], owner: int = 0) -> None:
     """Run in each worker at start: the parent's current directory and import path (``""`` made absolute), then
     import the preloaded functions (``module:function``) and modules (their errors kept for ``_noop`` to report: an
-    initializer that raises would break the pool)."""
+    initializer that raises would break the pool). With ``owner`` (the pid of the process that owns the pool), a
+    daemon thread ends the worker once that process is gone: a worker blocked on its call queue would otherwise
+    outlive a trainer killed with SIGKILL."""
+    if owner:
+        threading.Thread(target=_exit_without, args=(owner,), daemon=True, name="grpoflow-owner-watch").start()
     os.chdir(cwd)
     sys.path[:] = [p or cwd for p in path]
     for ref in preload:
         err = load_only(ref) if ":" in ref else _import_only(ref)
         if err is not None:
             _LOAD_ERRORS[ref] = err
+
+
+def _exit_without(owner: int, period_s: float = 1.0) -> None:
+    """Poll every ``period_s`` seconds whether process ``owner`` exists; exit this process at once when it does not."""
+    while True:
+        time.sleep(period_s)
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:  # it exists, owned by another user
+            pass
 
 
 def _import_only(module: str) -> tuple[str, str, str] | None:
@@ -376,7 +393,7 @@ class RewardWorkerPool:
                 max_workers=self.num_workers,
                 mp_context=self._ctx,
                 initializer=_init_worker,
-                initargs=(os.getcwd(), list(sys.path), list(self._preload)),
+                initargs=(os.getcwd(), list(sys.path), list(self._preload), os.getpid()),
             )
         return self._executor
 

@@ -205,3 +205,36 @@ def test_a_process_with_a_deep_temp_folder_gets_spawn_workers_that_score(tmp_pat
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0] == "spawn"
     assert out.stdout.splitlines()[1] == "[1.0, 0.0]"
+
+
+def test_workers_end_when_the_process_that_owns_them_is_killed(tmp_path):
+    """A trainer killed with SIGKILL runs no cleanup: its reward workers notice it is gone and exit within seconds."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import os, signal\n"
+        "from rl.environments.workers import RewardWorkerPool\n"
+        "p = RewardWorkerPool(2, 60)\n"
+        "p.warm_up(['tests.rewards:earnable'])\n"
+        "print(' '.join(str(pid) for pid in p._executor._processes), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    log = tmp_path / "out.txt"
+    with log.open("w") as out:  # a file, not a pipe: the orphaned forkserver keeps the trainer's stdout open
+        proc = subprocess.run([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, timeout=120)
+    workers = [int(pid) for pid in log.read_text().split()[-2:] if pid.isdigit()]
+    assert proc.returncode == -9 and len(workers) == 2, log.read_text()[-2000:]
+
+    def running(pid: int) -> bool:  # a zombie (exited, not yet reaped) counts as gone
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"
+
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in workers)
