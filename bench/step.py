@@ -1,9 +1,10 @@
-"""One whole GRPO step, phase by phase, through the back-end interfaces and the data plane on a local folder.
+"""One whole GRPO step, phase by phase, through the back-end interfaces and the data plane on a local folder, and our
+decode against plain ``transformers.generate`` in the same process.
 
     python -m bench.step [--model DIR | --random-shape {135M,1B}] [--tokenizer DIR] [--device {cpu,cuda}]
-        [--prompts 64] [--group 8] [--max-new-tokens 256] [--repeats 2] [--precision auto]
-        [--policy-backend transformers] [--generation-backend transformers] [--cuda-graphs] [--workdir DIR]
-        [--json PATH] [--out PATH.md]
+        [--prompts 64] [--group 8] [--max-new-tokens 256] [--repeats 4] [--calls 3] [--pins no_cudnn,cudnn]
+        [--precision auto] [--policy-backend transformers] [--generation-backend transformers] [--cuda-graphs]
+        [--workdir DIR] [--json PATH] [--out PATH.md]
 
 No Flyte and no MLflow in the process (it never imports ``tasks/`` or ``workflows/``): a bare CUDA machine with torch,
 transformers, pyarrow, fsspec and tensordict runs it. Steps k = 1 .. ``--repeats`` each run, timed with
@@ -18,19 +19,31 @@ transformers, pyarrow, fsspec and tensordict runs it. Steps k = 1 .. ``--repeats
    ``GenerationBackend.refit(PolicyVersion(k, ..), weights=policy.named_weights())``, the warm in-process refit of
    ``tasks/runtime.py``. Then the step's partition is cleared (timed as data-plane ``clear``).
 Each phase includes its data-plane reads and writes; ``dataplane`` reports those seconds apart. Step 1 is a warm-up;
-the figures are medians over the later steps (token counts: the lower median).
+the figures are medians over the later steps (token counts: the lower median). Every step has new prompts, so its
+generation rate (response tokens, eos included, / seconds inside ``GenerationBackend.generate``) is a cold-shape
+figure, as in a real run.
 
-Generation tok/s = response tokens (eos included) / seconds inside ``GenerationBackend.generate``. Baseline, in the same
-process, run and freed before the back-ends load: transformers ``model.generate`` on the same prompts, each repeated G
-times and left-padded, same T, ``do_sample=True, top_k=0, top_p=1.0``, the model loaded with bf16 weights where the
-precision resolves to bf16 (a GPU; a CPU with native bf16), else float32, with ``attn_implementation="sdpa"``,
-warmed up once at the full timed shape; its tokens are those after the prompt up to and including the first eos.
+Then, with the back-ends still loaded (the trainer's memory held), plain transformers ``model.generate`` is loaded
+beside them and ``bench/decode_calls.py`` compares the decoders even-handedly: ``generate``, ours through the back-end
+(``ours``: its loop under its SDPA pin, ``rl.backends.hf.sdpa.DECODE_PIN``) and ours under each other pin of ``--pins``
+(the transformers back-end; e.g. ``ours[cudnn]``), each warmed once at the timed shape (the prompts of step
+``--repeats`` + 1), then ``--calls`` timed calls each on those prompts (warm), then ``--calls`` each on prompts no side
+saw (cold); medians with min and max. The default chain_sum prompts all have one length, so a warm batch has no padding
+(transformers then skips the mask); the cold sets are lengthened unevenly (:func:`padded_prompts`) so that they need
+padding and bring widths no call had, as a real run's prompts do. Baseline settings: the model with bf16 weights where
+the precision resolves to bf16 (else float32), ``attn_implementation="sdpa"``, ``do_sample=True, top_k=0, top_p=1.0``,
+same T; its tokens are those after the prompt up to and including the first eos. Recorded too:
+``torch.backends.cudnn.version()`` and the SDPA kernel torch picks for a decode step's shapes under each pin
+(``rl.backends.hf.sdpa.decode_choice``).
+
 Update MFU = sum_i (6 N + 12 L H S_i) S_i / update seconds / peak: PaLM (arXiv 2204.02311, appendix B) as
 ``bench/megatron.py`` counts it (N parameters with tied embeddings once, L layers, H hidden size, one forward and one
 backward, no recomputation), but with each row's own length S_i. It counts every row's whole sequence, so a back-end
 that shares a group's prompt forward shows a higher MFU. Peak: ``bench.megatron.peak_flops()``
 on CUDA; on CPU n/a unless ``GRPOFLOW_PEAK_TFLOPS`` is set. With ``--random-shape`` (a random Llama of
 ``bench.megatron.SIZES``) eos is rare, so completions run to ``--max-new-tokens``, as a speed benchmark wants.
+``--json`` gets one record after the steps (``"partial": true``, no decode comparison yet) and the whole record at
+the end: a run stopped by a time limit still leaves its step figures.
 """
 
 from __future__ import annotations
@@ -77,7 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=2, help="whole steps; the first is a warm-up")
+    p.add_argument("--repeats", type=int, default=4, help="whole steps; the first is a warm-up")
+    p.add_argument("--calls", type=int, default=3, help="timed decode calls per side, warm and cold each")
+    p.add_argument(
+        "--pins",
+        help="SDPA pins our loop is also timed under (rl.backends.hf.sdpa.PINS, comma-separated; default on CUDA: "
+        "every pin but torch's own, none on the CPU, where the pins change nothing)",
+    )
     p.add_argument("--precision", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--policy-backend", default="transformers")
     p.add_argument("--generation-backend", default="transformers")
@@ -90,8 +109,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="append one JSON object per run to this file")
     p.add_argument("--out", help="also write the markdown table here")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.prompts < 1 or args.group < 2 or args.max_new_tokens < 1:
-        p.error("use --repeats >= 1, --prompts >= 1, --group >= 2 and --max-new-tokens >= 1")
+    if args.repeats < 1 or args.prompts < 1 or args.group < 2 or args.max_new_tokens < 1 or args.calls < 1:
+        p.error("use --repeats >= 1, --calls >= 1, --prompts >= 1, --group >= 2 and --max-new-tokens >= 1")
+    from rl.backends.hf.sdpa import PINS
+
+    unknown = [x for x in (args.pins or "").split(",") if x and x not in PINS]
+    if unknown:
+        p.error(f"unknown --pins {unknown}: use names of {sorted(PINS)}")
     return args
 
 
@@ -145,53 +169,6 @@ def model_shape(path: str) -> dict[str, int]:
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     return {"params": params, "layers": config.num_hidden_layers, "hidden": config.hidden_size}
-
-
-def baseline_generate(
-    path: str,
-    prompts: list[list[int]],
-    *,
-    group: int,
-    max_new_tokens: int,
-    cuda: bool,
-    bf16: bool,
-    now: Callable[[], float],
-    repeats: int,
-) -> dict[str, float]:
-    """Median tok/s of plain transformers ``model.generate`` on ``prompts`` x ``group`` (see the module docstring)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    tok = load_tokenizer(path)  # left padding
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation="sdpa"
-    )
-    model = model.to("cuda" if cuda else "cpu").eval()
-    batch = tok.pad({"input_ids": [p for p in prompts for _ in range(group)]}, padding=True, return_tensors="pt").to(
-        model.device
-    )
-    width = batch["input_ids"].shape[1]  # P, the padded prompt width
-    sampling = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": 1.0, "max_new_tokens": max_new_tokens}
-    rates, tokens = [], []
-    for i in range(repeats + 1):  # call 0 warms up at the full timed shape
-        torch.manual_seed(i)
-        t0 = now()
-        with torch.no_grad():
-            out = model.generate(
-                **batch, **sampling, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
-            )  # [N, P + T']
-        seconds = now() - t0
-        is_eos = out[:, width:].cpu() == tok.eos_token_id  # [N, T']
-        lengths = torch.where(
-            is_eos.any(1), is_eos.int().argmax(1) + 1, is_eos.shape[1]
-        )  # [N], up to and including eos
-        if i:
-            tokens.append(int(lengths.sum()))
-            rates.append(tokens[-1] / seconds)
-    del model, batch, out
-    if cuda:
-        torch.cuda.empty_cache()
-    return {"tok_per_s": statistics.median(rates), "tokens": statistics.median_low(tokens)}
 
 
 class Timed:
@@ -262,31 +239,94 @@ def grpo_step(
     }
 
 
-def run_steps(path: str, cfg: Any, *, repeats: int, now: Callable[[], float], workdir: Path) -> list[dict[str, Any]]:
-    """Build both back-ends as ``tasks/runtime.py`` does, then run steps 1 .. ``repeats``."""
-
-    from dataplane.client import DataPlane
-
+@contextmanager
+def loaded_backends(path: str, cfg: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """``(tokenizer, generation back-end, policy back-end)`` built as ``tasks/runtime.py`` builds them, both at
+    version 0 (the policy with its optimizer and reference model); shut down on exit."""
     tok = load_tokenizer(path)
     gen = registry.load("generation", cfg.generation.backend)(cfg, tokenizer=tok, model_path=path)
     gen.refit(PolicyVersion(step=0, path=path))
     policy = registry.load("policy", cfg.policy.backend)(cfg, tokenizer=tok, reference_path=path)
-    policy.load_checkpoint(PolicyVersion(step=0, path=path), with_optimizer=True)
-    policy.load_reference_policy()
-    dp = Timed(DataPlane(cfg.dataplane.root, f"bench-step-{uuid.uuid4().hex[:8]}"), DATAPLANE_IO, time.perf_counter)
     try:
-        return [
-            grpo_step(k, cfg=cfg, tokenizer=tok, gen=gen, policy=policy, dp=dp, now=now, base=path)
-            for k in range(1, repeats + 1)
-        ]
+        policy.load_checkpoint(PolicyVersion(step=0, path=path), with_optimizer=True)
+        policy.load_reference_policy()
+        yield tok, gen, policy
     finally:
         gen.shutdown()
         policy.shutdown()
 
 
-def summarize(
-    steps: list[dict[str, Any]], baseline: dict[str, float], shape: dict[str, int], *, cuda: bool
+def run_steps(
+    path: str, cfg: Any, backends: tuple[Any, Any, Any], *, repeats: int, now: Callable[[], float]
+) -> list[dict[str, Any]]:
+    """Run steps 1 .. ``repeats`` with ``backends`` (:func:`loaded_backends`)."""
+
+    from dataplane.client import DataPlane
+
+    tok, gen, policy = backends
+    dp = Timed(DataPlane(cfg.dataplane.root, f"bench-step-{uuid.uuid4().hex[:8]}"), DATAPLANE_IO, time.perf_counter)
+    steps = []
+    for k in range(1, repeats + 1):
+        steps.append(grpo_step(k, cfg=cfg, tokenizer=tok, gen=gen, policy=policy, dp=dp, now=now, base=path))
+        print(f"[bench.step] step {k}: {steps[-1]['step_s']:.3f} s", file=sys.stderr, flush=True)
+    return steps
+
+
+def step_prompts(cfg: Any, tok: Any, step: int, count: int) -> list[list[int]]:
+    """Prompt token ids of training step ``step`` (problems ``(step - 1) * count ..``), as the rollout makes them."""
+    d = cfg.data
+    problems = train_problems(
+        dataset=d.dataset,
+        dataset_kwargs=d.dataset_kwargs,
+        seed=d.seed,
+        val_fraction=d.val_fraction,
+        start=(step - 1) * count,
+        count=count,
+    )
+    return [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
+
+
+def padded_prompts(prompts: list[list[int]], index: int) -> list[list[int]]:
+    """``prompts`` lengthened as user data would be: prompt j by ``index + 1 + j % 8`` tokens (its first token
+    repeated), so that a batch needs padding and each cold set ``index`` has widths no earlier set had (the default
+    chain_sum prompts are all one length: a batch without padding, and one shape every step)."""
+    return [p[:1] * (index + 1 + j % 8) + p for j, p in enumerate(prompts)]
+
+
+def decode_comparison(
+    args: argparse.Namespace, path: str, cfg: Any, backends: tuple[Any, Any, Any], *, cuda: bool, now: Any
 ) -> dict[str, Any]:
+    """``bench/decode_calls.py``'s comparison, with the back-ends loaded: ``generate``, ``ours`` and ``ours[<pin>]``
+    for each pin of ``--pins`` other than the back-end's; the prompts of the steps after ``--repeats``."""
+    from bench.decode_calls import compare, generate_side, ours_side
+    from rl.backends.hf.sdpa import DECODE_PIN, PINS
+    from rl.precision import resolve
+
+    tok, gen, _ = backends
+    pins = (args.pins or ",".join(p for p in PINS if p != "torch") if cuda else args.pins or "").split(",")
+    pins = [p for p in pins if p and p != DECODE_PIN] if args.generation_backend == "transformers" else []
+    bf16 = resolve(args.precision, "cuda" if cuda else "cpu") == "bfloat16"  # the baseline in the precision ours runs
+    baseline, close = generate_side(path, group=args.group, max_new_tokens=args.max_new_tokens, cuda=cuda, bf16=bf16)
+    sides = {"generate": baseline, "ours": ours_side(gen, cfg, group=args.group)}
+    sides |= {f"ours[{p}]": ours_side(gen, cfg, group=args.group, pin=p) for p in pins}
+    first = args.repeats + 1  # the steps after the timed ones: prompts no side saw
+    cold = [
+        padded_prompts(step_prompts(cfg, tok, first + 1 + i, args.prompts), i) for i in range(args.calls * len(sides))
+    ]
+    try:
+        return compare(
+            sides,
+            warm_prompts=step_prompts(cfg, tok, first, args.prompts),
+            cold_prompts=cold,
+            calls=args.calls,
+            now=now,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    finally:
+        close()
+
+
+def summarize(steps: list[dict[str, Any]], shape: dict[str, int], *, cuda: bool) -> dict[str, Any]:
     """Medians over the steps after the warm-up (over the only step when there is one); adds each step's
     ``update_flops`` in place of its row ``lengths``."""
 
@@ -305,16 +345,12 @@ def summarize(
             peak = peak_flops()
         except RuntimeError as err:  # an unknown GPU
             print(f"[bench.step] MFU n/a: {err}", file=sys.stderr)
-    gen_rate = med(lambda s: s["generated_tokens"] / s["generation_s"])
     return {
         "phases": {p: med(lambda s, p=p: s["phases"][p]) for p in PHASES},
         "dataplane": {p: med(lambda s, p=p: s["dataplane"][p]) for p in (*PHASES, "clear")},
         "generation_s": med(lambda s: s["generation_s"]),
         "generated_tokens": statistics.median_low(s["generated_tokens"] for s in timed),
-        "gen_tok_per_s": gen_rate,
-        "baseline_tok_per_s": baseline["tok_per_s"],
-        "baseline_tokens": baseline["tokens"],
-        "gen_vs_baseline": gen_rate / baseline["tok_per_s"],
+        "step_gen_tok_per_s": med(lambda s: s["generated_tokens"] / s["generation_s"]),
         "update_tokens": statistics.median_low(s["update_tokens"] for s in timed),
         "update_tok_per_s": med(lambda s: s["update_tokens"] / s["phases"]["update"]),
         "update_mfu": None if peak is None else med(lambda s: s["update_flops"] / s["phases"]["update"]) / peak,
@@ -324,47 +360,80 @@ def summarize(
     }
 
 
+def decode_figures(decode: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The headline ratios of a comparison: ours / generate, warm and cold (medians)."""
+    ours, base = decode["ours"], decode["generate"]
+    return {
+        "gen_tok_per_s": ours["warm"]["tok_per_s"],
+        "baseline_tok_per_s": base["warm"]["tok_per_s"],
+        "gen_vs_baseline": ours["warm"]["tok_per_s"] / base["warm"]["tok_per_s"],
+        "cold_gen_tok_per_s": ours["cold"]["tok_per_s"],
+        "cold_baseline_tok_per_s": base["cold"]["tok_per_s"],
+        "cold_gen_vs_baseline": ours["cold"]["tok_per_s"] / base["cold"]["tok_per_s"],
+    }
+
+
 def table(r: dict[str, Any]) -> str:
     step, io = r["step_s"], r["dataplane"]
     mfu = "n/a" if r["update_mfu"] is None else f"{r['update_mfu']:.1%}"
     warm = "no warm-up: one step" if r["warmup_step_s"] is None else f"after a {r['warmup_step_s']:.2f} s warm-up step"
-    return (
-        "\n".join(
-            [
-                f"# One GRPO step: {r['generation_backend']} generation, {r['policy_backend']} policy "
-                f"({r['device']}: {r['device_name']}, torch {r['torch']})",
-                "",
-                f"`{r['command']}`",
-                "",
-                f"Model {r['shape']} ({r['params'] / 1e6:.1f}M parameters), "
-                f"B x G x T = {r['prompts']} x {r['group']} x {r['max_new_tokens']}, "
-                f"precision {r['precision_requested']} -> {r['precision']}; "
-                f"median of {r['timed_steps']} step(s), {warm}.",
-                "",
-                "| phase | s (median) | share of step | data plane inside (s) |",
-                "|---|---|---|---|",
-                *[f"| {p} | {r['phases'][p]:.3f} | {r['phases'][p] / step:.0%} | {io[p]:.3f} |" for p in PHASES],
-                f"| clear the partition | {io['clear']:.3f} | {io['clear'] / step:.0%} | {io['clear']:.3f} |",
-                f"| **step** | **{step:.3f}** | 100% | {sum(io.values()):.3f} |",
-                "",
-                "| figure | value |",
-                "|---|---|",
-                f"| generated tokens (rollout) | {r['generated_tokens']:,} in {r['generation_s']:.3f} s of generate |",
-                f"| generation tok/s: ours / baseline transformers generate ({r['precision']} weights, sdpa) | "
-                f"{r['gen_tok_per_s']:,.0f} / {r['baseline_tok_per_s']:,.0f} = {r['gen_vs_baseline']:.2f} |",
-                f"| update tokens (sum of input_lengths), tok/s | "
-                f"{r['update_tokens']:,}, {r['update_tok_per_s']:,.0f} |",
-                f"| update MFU | {mfu} |",
-            ]
-        )
-        + "\n"
-    )
+    lines = [
+        f"# One GRPO step: {r['generation_backend']} generation ({r['loop']} loop), {r['policy_backend']} policy "
+        f"({r['device']}: {r['device_name']}, torch {r['torch']})",
+        "",
+        f"`{r['command']}`",
+        "",
+        f"Model {r['shape']} ({r['params'] / 1e6:.1f}M parameters), "
+        f"B x G x T = {r['prompts']} x {r['group']} x {r['max_new_tokens']}, "
+        f"precision {r['precision_requested']} -> {r['precision']}; "
+        f"median of {r['timed_steps']} step(s), {warm}.",
+        "",
+        "| phase | s (median) | share of step | data plane inside (s) |",
+        "|---|---|---|---|",
+        *[f"| {p} | {r['phases'][p]:.3f} | {r['phases'][p] / step:.0%} | {io[p]:.3f} |" for p in PHASES],
+        f"| clear the partition | {io['clear']:.3f} | {io['clear'] / step:.0%} | {io['clear']:.3f} |",
+        f"| **step** | **{step:.3f}** | 100% | {sum(io.values()):.3f} |",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| generated tokens (rollout) | {r['generated_tokens']:,} in {r['generation_s']:.3f} s of generate, "
+        f"{r['step_gen_tok_per_s']:,.0f} tok/s (new prompts every step) |",
+        f"| update tokens (sum of input_lengths), tok/s | {r['update_tokens']:,}, {r['update_tok_per_s']:,.0f} |",
+        f"| update MFU | {mfu} |",
+    ]
+    decode = r.get("decode")
+    if decode:
+        sdpa = r.get("sdpa") or {}
+        lines += [
+            "",
+            f"Decode, side by side in this process with the back-ends loaded, each side warmed once at the timed "
+            f"shape, {r['calls']} timed calls each (tok/s, median [min - max]); cuDNN {sdpa.get('cudnn_version')}, "
+            f"our SDPA pin `{sdpa.get('decode_pin')}`:",
+            "",
+            "| decoder | SDPA kernel of a decode step | warm tok/s | warm / generate | cold tok/s | cold / generate |",
+            "|---|---|---|---|---|---|",
+        ]
+        base = decode["generate"]
+        for name, d in decode.items():
+            pin = "torch" if name == "generate" else name[5:-1] if name.startswith("ours[") else sdpa.get("decode_pin")
+            choice = (sdpa.get("choice") or {}).get(pin, "n/a")
+            if "error" in d:
+                lines.append(f"| {name} | {choice} | failed: {d['error']} | | | |".replace("\n", " "))
+                continue
+            cells = []
+            for phase in ("warm", "cold"):
+                x = d[phase]
+                cells += [
+                    f"{x['tok_per_s']:,.0f} [{x['min']:,.0f} - {x['max']:,.0f}]",
+                    f"{x['tok_per_s'] / base[phase]['tok_per_s']:.2f}",
+                ]
+            lines.append(f"| {name} | {choice} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     cuda, now = select_device(args.device)
-    from rl.precision import resolve
 
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         workdir = Path(args.workdir or tmp)
@@ -382,50 +451,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "dataplane": {"root": str(workdir / "dataplane")},
             }
         )
-        d, first_timed = cfg.data, min(2, args.repeats)  # the baseline samples from the first timed step's prompts
-        problems = train_problems(
-            dataset=d.dataset,
-            dataset_kwargs=d.dataset_kwargs,
-            seed=d.seed,
-            val_fraction=d.val_fraction,
-            start=(first_timed - 1) * args.prompts,
-            count=args.prompts,
-        )
-        tok = load_tokenizer(path)
-        prompts = [prompt_token_ids(tok, p.question, d.system_prompt) for p in problems]
-        bf16 = (
-            resolve(args.precision, "cuda" if cuda else "cpu") == "bfloat16"
-        )  # the baseline in the precision ours runs
-        baseline = baseline_generate(
-            path,
-            prompts,
-            group=args.group,
-            max_new_tokens=args.max_new_tokens,
-            cuda=cuda,
-            bf16=bf16,
-            now=now,
-            repeats=max(1, args.repeats - 1),
-        )
-        steps = run_steps(path, cfg, repeats=args.repeats, now=now, workdir=workdir)
         shape = model_shape(path)
-        record = describe(args, argv, path=path, cuda=cuda, params=shape["params"]) | summarize(
-            steps, baseline, shape, cuda=cuda
-        )
-    record["steps"] = steps
+        with loaded_backends(path, cfg) as backends:
+            steps = run_steps(path, cfg, backends, repeats=args.repeats, now=now)
+            record = describe(args, argv, path=path, cuda=cuda, params=shape["params"], gen=backends[1])
+            record |= summarize(steps, shape, cuda=cuda)
+            emit(args, record | {"partial": True, "steps": steps})
+            decode = decode_comparison(args, path, cfg, backends, cuda=cuda, now=now)
+    record |= {"decode": decode, "calls": args.calls, "steps": steps} | decode_figures(decode)
     text = table(record)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    emit(args, record)
     return record
 
 
-def describe(args: argparse.Namespace, argv: list[str] | None, *, path: str, cuda: bool, params: int) -> dict[str, Any]:
-    """What ran where: device, versions, model, shape of the step, the command."""
+def emit(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    """Append ``record`` to ``--json`` as one line."""
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def describe(
+    args: argparse.Namespace, argv: list[str] | None, *, path: str, cuda: bool, params: int, gen: Any
+) -> dict[str, Any]:
+    """What ran where: device, versions, model, shape of the step, the decode loop and SDPA kernels, the command."""
 
     import torch
+    import transformers
 
     from rl.precision import resolve
 
@@ -443,8 +498,47 @@ def describe(args: argparse.Namespace, argv: list[str] | None, *, path: str, cud
         "generation_backend": args.generation_backend,
         "policy_backend": args.policy_backend,
         "cuda_graphs": args.cuda_graphs,
+        "loop": gen._loop() if hasattr(gen, "_loop") else args.generation_backend,
+        "transformers": transformers.__version__,
+        "sdpa": sdpa_record(gen, cuda=cuda, max_new_tokens=args.max_new_tokens, rows=args.prompts * args.group),
         "command": shlex.join(["python", "-m", "bench.step", *(sys.argv[1:] if argv is None else argv)]),
     }
+
+
+def sdpa_record(gen: Any, *, cuda: bool, max_new_tokens: int, rows: int) -> dict[str, Any]:
+    """cuDNN's version, our decode pin, and the SDPA kernel torch picks under each pin for a decode step of ``rows``
+    rows half-way through a completion (keys: 128 prompt positions + ``max_new_tokens`` / 2)."""
+    import torch
+
+    from rl.backends.hf.sdpa import DECODE_PIN, PINS, cudnn_version, decode_choice, pinned
+
+    record: dict[str, Any] = {"cudnn_version": cudnn_version(), "decode_pin": DECODE_PIN, "choice": {}}
+    model = getattr(gen, "_model", None)
+    if not cuda or model is None:
+        return record
+    c, device = model.config, torch.device("cuda")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    for name in PINS:
+        with pinned(device, name):
+            record["choice"][name] = _choice_or_error(
+                decode_choice,
+                device,
+                rows=rows,
+                heads=c.num_attention_heads,
+                head_dim=head_dim,
+                keys=128 + max_new_tokens // 2,
+                dtype=next(model.parameters()).dtype,
+            )
+    return record
+
+
+def _choice_or_error(choice: Callable[..., str], *args: Any, **kwargs: Any) -> str:
+    """``choice(...)``, or the error it raised as text: the kernel's name is a label of the figures, and a torch
+    whose private dispatcher query differs must not stop the benchmark."""
+    try:
+        return choice(*args, **kwargs)
+    except (RuntimeError, TypeError, AttributeError) as err:
+        return f"unknown ({type(err).__name__}: {err})"[:120]
 
 
 def _cpu_name() -> str:

@@ -2,7 +2,8 @@
 # The GPU check, one command on a CUDA machine that has torch and transformers but no network:
 #
 #   bash scripts/gpu_check.sh [--wheelhouse .wheelhouse] [--out gpu_check_out]
-#                             [--parts "env models pytest step135M step135Mgraphs step1B megatron step1Bgraphs"] [--cpu-smoke]
+#                             [--parts "env models pytest step1Bgraphs step135Mgraphs step1B step135M refit megatron"]
+#                             [--cpu-smoke]
 #                             [--tokenizer DIR] [--cache DIR] [--budget SECONDS] [--python PY]
 #
 # Parts, each in its own process with its own time limit (`timeout`), going on after one fails; each adds a line
@@ -14,21 +15,25 @@
 #             <cache>/models (kept: a later run reuses them)
 #   pytest    pytest -m gpu tests/gpu tests/unit/rl/backends/test_conformance.py, with the random 135M standing in for
 #             SmolLM2-135M-Instruct (GRPOFLOW_GPU_MODEL, and GRPOFLOW_CACHE whose converted model it is)
-#   step<S>   python -m bench.step on shape S (135M: 64 x 8 x 128 tokens; 1B: 64 x 8 x 256) -> <out>/results.jsonl;
-#             step<S>graphs the same with --cuda-graphs (generation.cuda_graphs: static KV cache, CUDA-graph decode step)
-#   megatron  python -m bench.megatron on 135M and 1B (parts megatron135M, megatron1B: variants default,rows8,rows32 or
-#             GPU_CHECK_VARIANTS_<size>), and 1B with groups of 8 sharing a prompt, the shared-prompt forward on and off
-#             (part megatron1Bshared) -> <out>/results.jsonl
+#   step<S>   python -m bench.step on shape S (135M: 64 x 8 x 128 tokens; 1B: 64 x 8 x 256) with the dynamic decode
+#             loop (generation.cuda_graphs false): 1 warm-up + 1 timed step, then our decode against transformers'
+#             generate, 3 warm and 3 cold calls each, ours under the cuDNN-off pin and the cuDNN-first one (the pair)
+#             -> <out>/results.jsonl; step<S>graphs the same with --cuda-graphs (static KV cache, CUDA-graph decode
+#             step) and 1 + 2 steps
+#   refit     python -m bench.refit on 1B: the async collector's weight copy and refit, host against device
+#   megatron  python -m bench.megatron on 1B, default variant (part megatron1B; measured in full before: parts
+#             megatron135M and megatron1B with GPU_CHECK_VARIANTS_<size>, e.g. default,rows8,rows32, and
+#             megatron1Bshared, groups of 8 sharing a prompt, the shared-prompt forward on and off) -> results.jsonl
 # Then one markdown table of everything (scripts/gpu_check_table.py), printed and written to <out>/summary.md.
 #
 # --cpu-smoke (or GPU_CHECK_DEVICE=cpu): the same plumbing on the CPU at tiny sizes, for CI: no install when everything
 # already imports, a tiny model, bench.step at 2 x 2 x 4 tokens, no 1B and no megatron parts.
 # Time: each part's limit is GPU_CHECK_T_<part> seconds if set, else its default below; the whole run is kept within
-# --budget seconds (default 540, under a lent machine's 600 s per command): a part gets at most what is left, and is
-# not started with under 30 s left (recorded as rc=skip). Expected on an H100: ~8 minutes in all.
+# --budget seconds (default 520, under a lent machine's 600 s per command): a part gets at most what is left, and is
+# not started with under 30 s left (recorded as rc=skip). Expected on an H200: ~7.5 minutes in all.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-wheelhouse=.wheelhouse out=gpu_check_out parts="" device=${GPU_CHECK_DEVICE:-cuda} tokenizer="" budget=540 run_part=""
+wheelhouse=.wheelhouse out=gpu_check_out parts="" device=${GPU_CHECK_DEVICE:-cuda} tokenizer="" budget=520 run_part=""
 cache=${GPU_CHECK_CACHE:-${TMPDIR:-/tmp}/grpoflow_gpu_check} py=${PYTHON:-python3}
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -41,16 +46,16 @@ while [[ $# -gt 0 ]]; do
     --budget) budget=$2; shift 2 ;;
     --python) py=$2; shift 2 ;;
     --run-part) run_part=$2; shift 2 ;;  # internal: run one part in this process (the loop below calls it so)
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 if [[ $device == cpu ]]; then
   parts=${parts:-env models pytest steptiny}
-  models="tiny" step_args="--device cpu --prompts 2 --group 2 --max-new-tokens 4 --repeats 1"
+  models="tiny" step_args="--device cpu --prompts 2 --group 2 --max-new-tokens 4 --repeats 1 --calls 3"
 else
-  parts=${parts:-env models pytest step135M step135Mgraphs step1B megatron step1Bgraphs}
-  models="135M 1B" step_args="--device cuda --prompts 64 --group 8 --repeats 2"
+  parts=${parts:-env models pytest step1Bgraphs step135Mgraphs step1B step135M refit megatron}
+  models="135M 1B" step_args="--device cuda --prompts 64 --group 8 --calls 3 --pins no_cudnn,cudnn"
 fi
 mkdir -p "$out" "$cache"
 abs() { if [[ -e $1 ]]; then (cd "$1" && pwd); else echo "$1"; fi; }
@@ -111,7 +116,8 @@ part_pytest() {
 part_step() {  # $1: a bench.megatron size (a random Llama of that shape) or a model folder name under $cache/models,
   # with the suffix "graphs" for --cuda-graphs
   local shape=${1%graphs} which=()
-  [[ $1 == *graphs ]] && which+=(--cuda-graphs)
+  if [[ $1 == *graphs ]]; then which+=(--cuda-graphs --repeats 3); else which+=(--repeats 2); fi
+  [[ $device == cpu ]] && which=()
   case $shape in
     135M) which+=(--random-shape 135M --max-new-tokens 128) ;;
     1B) which+=(--random-shape 1B --max-new-tokens 256) ;;
@@ -131,18 +137,23 @@ part_megatron() {  # $1: size, with the suffix "shared" for a GRPO-shaped batch 
     extra=(--shared-prompts --backends transformers --variants "${GPU_CHECK_SHARED_VARIANTS:-shared,plain}")
   else
     local var="GPU_CHECK_VARIANTS_$size"
-    extra=(--variants "${!var:-default,rows8,rows32}")
+    extra=(--variants "${!var:-default}")
   fi
   "$py" -m bench.megatron --size "$size" --model "$cache/models/$size" --rows 64 --length 512 --steps 3 \
     --json "$results" --out "$out/megatron$1.md" "${extra[@]}"
 }
 
-limit_of() {  # default limits (s): expected on an H100 ~ env 20, models 30, pytest 120, 135M 90, 1B 150, megatron 120
+part_refit() {
+  "$py" -m bench.refit --model "$cache/models/1B" --device "$device" --json "$results" --out "$out/refit.md"
+}
+
+limit_of() {  # default limits (s); seen on an H200: env 30, models 36, pytest 55, 135M 50-80, 1B 100-170
   local var="GPU_CHECK_T_$1"
   if [[ -n ${!var:-} ]]; then echo "${!var}"; return; fi
   case $1 in
-    env) echo 90 ;; models) echo 90 ;; pytest) echo 180 ;;
-    step135M*) echo 150 ;; step1B*) echo 210 ;; megatron135M) echo 75 ;; megatron1B) echo 150 ;; megatron1Bshared) echo 60 ;;
+    env) echo 60 ;; models) echo 60 ;; pytest) echo 75 ;;
+    step1B*) echo 140 ;; step135M*) echo 70 ;; refit) echo 45 ;;
+    megatron135M) echo 75 ;; megatron1B) echo 50 ;; megatron1Bshared) echo 60 ;;
     *) echo 120 ;;
   esac
 }
@@ -150,7 +161,7 @@ limit_of() {  # default limits (s): expected on an H100 ~ env 20, models 30, pyt
 # ------------------------------------------------------------------------------------------------------------- run
 if [[ -n $run_part ]]; then
   case $run_part in
-    env|models|pytest) "part_$run_part" ;;
+    env|models|pytest|refit) "part_$run_part" ;;
     step*) part_step "${run_part#step}" ;;
     megatron*) part_megatron "${run_part#megatron}" ;;
     *) echo "unknown part: $run_part" >&2; exit 2 ;;
@@ -158,7 +169,7 @@ if [[ -n $run_part ]]; then
   exit
 fi
 expanded=""
-for p in $parts; do [[ $p == megatron ]] && expanded+=" megatron135M megatron1B megatron1Bshared" || expanded+=" $p"; done
+for p in $parts; do [[ $p == megatron ]] && expanded+=" megatron1B" || expanded+=" $p"; done
 rm -f "$out"/parts.txt "$out"/results.jsonl "$out"/summary.md "$out"/*.log
 start=$(date +%s)
 echo "gpu_check: device $device, parts:$expanded; out $out, cache $cache, site $site"

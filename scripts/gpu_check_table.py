@@ -6,8 +6,10 @@ time, and what it measured.
 Reads from the folder ``OUT``:
   parts.txt      ``part <name> rc=<rc> <seconds>s`` lines (rc ``skip``: not run, the time budget was spent);
   results.jsonl  one JSON object a line: ``{"part": "env", ...}`` and ``{"part": "models", ...}``
-                 (scripts/gpu_check.py), ``bench.step`` records (they have ``phases``; matched to part ``step<shape>``)
-                 and ``bench.megatron`` records (``"bench": "megatron"``; matched to part ``megatron<size>``);
+                 (scripts/gpu_check.py), ``bench.step`` records (they have ``phases``; matched to part ``step<shape>``,
+                 the last of a part wins: a whole record follows its ``partial`` one), ``bench.megatron`` records
+                 (``"bench": "megatron"``; matched to part ``megatron<size>``) and ``bench.refit`` records
+                 (``"bench": "refit"``, one per hand-over ``way``);
   pytest.log     pytest's output (its closing ``N passed, N skipped ...`` line);
   <part>.log     a failed part's last line is shown.
 """
@@ -138,12 +140,32 @@ def _step_cells(row: dict[str, str], r: dict) -> str:
     row["baseline tok/s"] = _f(r.get("baseline_tok_per_s"), ",.0f")
     row["gen / baseline"] = _f(r.get("gen_vs_baseline"), ".2f")
     row["update MFU"] = "n/a" if r.get("update_mfu") is None else f"{r['update_mfu']:.1%}"
-    return (
+    text = (
         f"{r.get('device_name', '?')}: {r.get('prompts')} x {r.get('group')} x {r.get('max_new_tokens')} tokens, "
-        f"{r.get('precision')}{', CUDA graphs' if r.get('cuda_graphs') else ''}; "
+        f"{r.get('precision')}, {r.get('loop', 'graphs' if r.get('cuda_graphs') else 'dynamic')} loop; "
         f"{r.get('generated_tokens', 0):,} generated, "
         f"{r.get('update_tokens', 0):,} trained"
     )
+    if r.get("partial"):
+        return text + "; no decode comparison (stopped after the steps)"
+    decode, sdpa = r.get("decode") or {}, r.get("sdpa") or {}
+    if decode:  # gen tok/s columns: warm medians; here the cold ones and the other pins
+        base = decode["generate"]
+        ratios = [
+            f"{name} failed"
+            if "error" in d
+            else f"{name} {d['warm']['tok_per_s'] / base['warm']['tok_per_s']:.2f}x "
+            f"warm, {d['cold']['tok_per_s'] / base['cold']['tok_per_s']:.2f}x cold"
+            for name, d in decode.items()
+            if name != "generate"
+        ]
+        choice = sdpa.get("choice") or {}
+        kernels = ", ".join(f"{pin}: {k}" for pin, k in choice.items())
+        text += (
+            f"; vs generate (median of {r.get('calls')}): " + "; ".join(ratios) + f"; cuDNN {sdpa.get('cudnn_version')}"
+            f", pin {sdpa.get('decode_pin')}" + (f" (kernels {kernels})" if kernels else "")
+        )
+    return text
 
 
 def _megatron_cells(row: dict[str, str], r: dict) -> str:
@@ -161,6 +183,18 @@ def _megatron_cells(row: dict[str, str], r: dict) -> str:
     )
 
 
+def _refit_result(records: list[dict]) -> str:
+    """``bench.refit``'s hand-overs (the last record of each way), each with its total seconds and GB copied, and the
+    ratio of the last to the first."""
+    ways = {r.get("way"): r for r in records}
+    first = next(iter(ways.values()))
+    return "; ".join(
+        f"{way}: {r.get('total_s', 0):.3f} s ({r.get('copy_gb', 0):.2f} GB {r.get('copy_dtype', '')} copied"
+        + (f", {r['total_s'] / first['total_s']:.2f}x)" if r is not first and first.get("total_s") else ")")
+        for way, r in ways.items()
+    )
+
+
 def rows(out: Path) -> list[dict[str, str]]:
     """The table's rows as {column: cell}: one per part, one per back-end for a megatron part."""
     parts = read_parts((out / "parts.txt").read_text()) if (out / "parts.txt").exists() else []
@@ -171,6 +205,7 @@ def rows(out: Path) -> list[dict[str, str]]:
     for r in results:
         if r.get("bench") == "megatron":
             megatron.setdefault(str(r.get("size")) + ("shared" if r.get("shared_prompts") else ""), []).append(r)
+    refits = [r for r in results if r.get("bench") == "refit"]
     env = [r for r in results if r.get("part") == "env"]
     models = [r for r in results if r.get("part") == "models"]
     table = []
@@ -194,6 +229,9 @@ def rows(out: Path) -> list[dict[str, str]]:
             )
         elif name.startswith("step") and name[4:] in steps:
             result = _step_cells(row, steps[name[4:]])
+        elif name == "refit" and refits:
+            row["model"] = Path(str(refits[-1].get("model", ""))).name
+            result = _refit_result(refits)
         elif name.startswith("megatron") and name[8:] in megatron:
             first, *rest = megatron[name[8:]]
             result = _megatron_cells(row, first)

@@ -173,7 +173,7 @@ def collector(cfg: RunConfig, run: RunInfo) -> TrajectoryCollector | None:
         found = None
     if found is None:
         from rl.step import rollout_to_batch
-        from tasks.trajectories import TrajectoryCollector, buffered_batch
+        from tasks.trajectories import TrajectoryCollector, buffered_batch, copy_dtype
 
         gen, tok, dp = _generation_backend(cfg, run), base_tokenizer(cfg, run), dataplane(cfg, run)
         found = TrajectoryCollector(
@@ -182,9 +182,34 @@ def collector(cfg: RunConfig, run: RunInfo) -> TrajectoryCollector | None:
             gen,
             produce=lambda generator, step: rollout_to_batch(generator, tok, cfg, dataplane=dp, step=step),
             reuse=lambda step: buffered_batch(cfg, dp, step),
+            release=_engine_release(cfg, run, gen),
+            cuda_dtype=copy_dtype(cfg),
         )
         _COLLECTORS[run.run_id] = found.start_collection()
     return found
+
+
+def _engine_release(cfg: RunConfig, run: RunInfo, gen: GenerationBackend) -> Any:
+    """The generation back-end's ``release_memory`` where it is a vLLM engine beside a trainer in this process (it
+    then sleeps while the trainer computes), else None."""
+    if cfg.generation.backend == "vllm" and shares_trainer_gpu(cfg, run):
+        return gen.release_memory  # type: ignore[attr-defined]
+    return None
+
+
+def make_room_for_trainer(cfg: RunConfig, run: RunInfo) -> None:
+    """Before the trainer of ``run`` loads or computes in this process: a vLLM engine that shares its GPU starts
+    first if it has not (its start needs its share of the GPU free: ``VLLMGeneration.start``), then sleeps, its
+    weights discarded, so that the trainer has the memory (``VLLMGeneration.release_memory``). With a trajectory
+    collector, whose thread drives the engine, only the start: the collector puts it to sleep when it waits. A no-op
+    for the transformers back-end, on the CPU, and for a rollout pod's engine, which has its GPU alone."""
+    release = None if cfg.generation.backend != "vllm" else _engine_release(cfg, run, _generation_backend(cfg, run))
+    if release is None:
+        return
+    gen = _generation_backend(cfg, run)
+    gen.start()  # type: ignore[attr-defined]
+    if run.run_id not in _COLLECTORS:
+        release()
 
 
 def publish(run: RunInfo, version: PolicyVersion) -> None:
@@ -223,6 +248,7 @@ def policy(
         RuntimeError: ``training`` but no optimizer state for ``version`` exists in this process or on storage.
     """
 
+    make_room_for_trainer(cfg, run)
     pol = _BACKENDS.get((run.run_id, "policy"))
     if pol is None:
         cls = registry.load("policy", cfg.policy.backend)

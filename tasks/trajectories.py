@@ -27,6 +27,51 @@ if TYPE_CHECKING:
     from dataplane.client import DataPlane
 
 
+def copy_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], *, cuda_dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """A copy of ``weights`` (HF name -> tensor) the trainer may overwrite the originals of as soon as this returns.
+
+    Each tensor is copied on its own device: a CUDA tensor (any accelerator's) stays on its GPU (a device-to-device
+    copy, no host round trip) and, with ``cuda_dtype``, floating-point ones are cast to it on the way (the generation
+    engine's dtype: bfloat16 halves a float32 master's bytes, and both back-ends cast to it when they load anyway, so
+    the values are the ones a refit from the originals would give); host tensors are copied as they are. The copies on
+    a GPU are enqueued on its current stream, which is synchronized before returning, so neither the trainer's later
+    in-place updates nor another thread's stream can see them half-written. They take device memory (one model in
+    ``cuda_dtype`` per version the collector still needs) where the old host copies took host memory.
+
+    Args:
+        weights: (name, tensor) pairs, e.g. ``PolicyBackend.named_weights()``.
+        cuda_dtype: dtype of the copies of floating-point CUDA tensors (None: their own).
+
+    Returns:
+        name -> copy, in the order given.
+    """
+    out: dict[str, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+    for name, tensor in weights:
+        t = tensor.detach()
+        if t.device.type != "cpu":  # an accelerator (CUDA; tests' fake device): stay there
+            devices.add(t.device)
+            dtype = cuda_dtype if cuda_dtype is not None and t.is_floating_point() else t.dtype
+            out[name] = t.to(dtype=dtype, copy=True)
+        else:
+            out[name] = t.to("cpu", copy=True)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def copy_dtype(cfg: RunConfig) -> torch.dtype | None:
+    """The dtype of the collector's CUDA weight copies (:func:`copy_weights`): bfloat16 where ``model.precision``
+    resolves to it on CUDA (both generation back-ends then serve bfloat16 weights), else None (as the trainer holds
+    them)."""
+    from rl.precision import resolve
+
+    return torch.bfloat16 if resolve(cfg.model.precision, "cuda") == "bfloat16" else None
+
+
 def buffered_batch(cfg: RunConfig, dataplane: DataPlane, step: int) -> KVBatchMeta | None:
     """``step``'s sealed batch if the data plane holds one young enough for the age bound (a resumed run finds the
     batches generated before it stopped); a batch too old for the bound is evicted (cleared). None: none usable."""
@@ -68,6 +113,10 @@ class TrajectoryCollector:
         generator: the generation back-end this collector drives (shared with validation, see above).
         produce: ``(generator, step) -> meta``: generate and write one step's batch (:func:`rl.step.rollout_to_batch`).
         reuse: ``step -> meta or None``: a batch already in the data plane (:func:`buffered_batch`).
+        release: called on the collector's thread before it waits for a version not yet published: the generation
+            back-end hands its device memory to the trainer meanwhile (vLLM beside a trainer:
+            ``VLLMGeneration.release_memory``). None: nothing to release.
+        cuda_dtype: dtype of the weight copies :meth:`set_weight_version` makes of CUDA tensors (:func:`copy_dtype`).
     """
 
     def __init__(
@@ -78,6 +127,8 @@ class TrajectoryCollector:
         *,
         produce: Callable[[GenerationBackend, int], KVBatchMeta],
         reuse: Callable[[int], KVBatchMeta | None],
+        release: Callable[[], object] | None = None,
+        cuda_dtype: torch.dtype | None = None,
     ) -> None:
         self.max_age = cfg.grpo.max_trajectory_age_steps
         self.start_step = run.start_step
@@ -86,6 +137,8 @@ class TrajectoryCollector:
         self._generator = generator
         self._produce = produce
         self._reuse = reuse
+        self._release = release
+        self._cuda_dtype = cuda_dtype
         self._cond = threading.Condition()
         self._versions: dict[int, tuple[PolicyVersion, dict[str, torch.Tensor] | None]] = {
             run.start_step: (PolicyVersion(step=run.start_step, path=run.start_policy_path), None)
@@ -103,10 +156,11 @@ class TrajectoryCollector:
     def set_weight_version(
         self, version: PolicyVersion, weights: Iterable[tuple[str, torch.Tensor]] | None = None
     ) -> None:
-        """Publish the policy of ``version.step``; ``weights`` (HF names) are copied now, so the trainer may move on."""
+        """Publish the policy of ``version.step``; ``weights`` (HF names) are copied now (:func:`copy_weights`: on
+        their own device, CUDA tensors in the generation engine's dtype), so the trainer may move on."""
         if self.max_age and not target_steps(version.step, self.max_age, self.start_step, self.max_num_steps):
             weights = None  # no step left to generate with it
-        copy = None if weights is None else {k: v.detach().to("cpu", copy=True) for k, v in weights}
+        copy = None if weights is None else copy_weights(weights, cuda_dtype=self._cuda_dtype)
         with self._cond:
             self._versions[version.step] = (version, copy)
             self._cond.notify_all()
@@ -162,6 +216,11 @@ class TrajectoryCollector:
         try:
             for step in range(self.start_step + 1, self.max_num_steps + 1):
                 version = generation_version(step, self.max_age, self.start_step)
+                if self._release is not None and self._begin_release(version):
+                    try:
+                        self._release()  # idle until the trainer publishes it: the trainer gets the memory meanwhile
+                    finally:
+                        self._end_release()
                 if not self._wait_for(version):
                     return
                 t0 = time.time()
@@ -188,6 +247,21 @@ class TrajectoryCollector:
             )
             failure.__cause__ = err
             self.buffer.fail(failure)
+
+    def _begin_release(self, version: int) -> bool:
+        """Whether to release the generation back-end's memory before waiting for ``version``: it is not published,
+        and nobody else uses the back-end (not paused, not stopped). If so, the release counts as a batch in flight,
+        so that :meth:`prepare_for_refit` waits for it before another user refits and generates."""
+        with self._cond:
+            if version in self._versions or self._paused or self._stop:
+                return False
+            self._busy = True
+            return True
+
+    def _end_release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
 
     def _wait_for(self, version: int) -> bool:
         """Block until ``version`` is published and the collector is not paused, then mark a batch in flight. False:

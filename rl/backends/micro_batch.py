@@ -1,7 +1,8 @@
 """The micro-batch planner of the policy back-ends: consecutive rows of a batch under a row cap and a padded-token
 budget (`micro_batch_slices`), and those limits from the config or, where it leaves them null, from the device
 (`micro_batch_limits`: a row count on the CPU; on CUDA a token budget from the free device memory over an activation
-estimate per token, `default_max_tokens`).
+estimate per token, `default_max_tokens`, less what an engine sleeping in this process takes back when it wakes:
+`set_engine_reserve`).
 
 Used by the shared update (`rl.backends.engine`) and by the back-ends' logprob passes.
 """
@@ -71,18 +72,57 @@ def activation_bytes_per_token(model_config: Any, *, train: bool) -> int:
     return (layers if train else 2) * per_layer + (12 if train else 8) * vocab
 
 
+_ENGINE_RESERVES: dict[tuple[str, str], int] = {}
+"""(device, owner) -> bytes a generation engine in this process holds off the device while it sleeps and takes back
+when it wakes (:func:`set_engine_reserve`)."""
+
+
+def device_key(device: torch.device | str) -> str:
+    """``"cuda:<index>"`` (the current device where ``device`` names none), or the device's type: the key of a device
+    in :func:`set_engine_reserve`."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+def set_engine_reserve(device: torch.device | str, owner: str, nbytes: int) -> None:
+    """Record that ``owner`` (an in-process generation engine, e.g. vLLM in sleep mode beside the trainer) will take
+    ``nbytes`` of ``device``'s memory back when it wakes; 0 forgets it (the engine is awake: the memory it holds is
+    no longer free, or it is gone). :func:`default_max_tokens` leaves these bytes out of the memory it sizes the
+    trainer's micro-batches from, so that a budget sized while the engine sleeps still fits beside it awake."""
+    key = (device_key(device), owner)
+    if nbytes > 0:
+        _ENGINE_RESERVES[key] = int(nbytes)
+    else:
+        _ENGINE_RESERVES.pop(key, None)
+
+
+def engine_reserve(device: torch.device | str) -> int:
+    """Bytes of ``device`` that sleeping in-process engines take back when they wake (:func:`set_engine_reserve`)."""
+    key = device_key(device)
+    return sum(n for (dev, _), n in _ENGINE_RESERVES.items() if dev == key)
+
+
 _BUDGETS: dict[tuple, int] = {}
 """Token budgets resolved in this process, per (device, train, model shape): a run's micro-batches do not change with
 the memory free at each step."""
 
 
 def default_max_tokens(
-    model_config: Any, device: torch.device | str, *, train: bool, fraction: float = 0.5
+    model_config: Any,
+    device: torch.device | str,
+    *,
+    train: bool,
+    fraction: float = 0.5,
+    reserved_bytes: int | None = None,
 ) -> int | None:
     """The padded-token budget of a micro-batch when the config leaves it null: None on the CPU (row counts decide,
-    ``CPU_MICRO_BATCH_ROWS``); on CUDA ``fraction`` of the device memory free at the first call in this process, less
-    the gradients and AdamW moments a training model will hold (12 bytes per parameter, in case they are not allocated
-    yet), over :func:`activation_bytes_per_token`; rounded down to a multiple of 1,024 and kept within 2,048..65,536.
+    ``CPU_MICRO_BATCH_ROWS``); on CUDA ``fraction`` of the device memory free at the first call in this process (the
+    driver's free memory plus the allocator's cached spare), less ``reserved_bytes`` (default: what sleeping
+    in-process engines take back at their wake, :func:`engine_reserve`), less the gradients and AdamW moments a
+    training model will hold (12 bytes per parameter, in case they are not allocated yet), over
+    :func:`activation_bytes_per_token`; rounded down to a multiple of 1,024 and kept within 2,048..65,536.
     Resolved once per process, device and model shape."""
     device = torch.device(device)
     if device.type != "cuda":
@@ -95,6 +135,7 @@ def default_max_tokens(
     if key not in _BUDGETS:
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's own spare
+        free -= engine_reserve(device) if reserved_bytes is None else reserved_bytes
         if train:
             free -= 12 * parameter_count(model_config)
         tokens = int(fraction * max(free, 0) / activation_bytes_per_token(model_config, train=train)) // 1024 * 1024

@@ -322,9 +322,11 @@ class GRPOSettings(Section):
 @dataclass
 class VLLMConfig(Section):
     gpu_memory_utilization: float | None = None
-    """Share of the GPU's memory vLLM may take for weights and KV cache (CUDA only). Null: 0.6 where the engine shares
-    its GPU with a trainer (a local run, or ``resources.steps_per_task`` > 1: the rest is the trainer's), 0.9 (vLLM's
-    own default) where it has the GPU alone (a rollout pod), since a larger KV cache holds more sequences at once."""
+    """Share of the GPU's total memory vLLM may take for weights and KV cache (CUDA only); that much must be free when
+    the engine starts. Null: 0.6 where the engine shares its GPU with a trainer (a local run, or
+    ``resources.steps_per_task`` > 1: the rest is the trainer's), or what is free at its start where less is; 0.9
+    (vLLM's own default) where it has the GPU alone (a rollout pod), since a larger KV cache holds more sequences at
+    once. Beside a trainer an explicit share that is not free at the start is an error naming the numbers."""
     cpu_kv_cache_gib: float = 2.0
     """KV cache of vLLM's CPU build in GiB (``VLLM_CPU_KVCACHE_SPACE``). A call never overflows it: requests are
     submitted in waves whose tokens fit (seeded requests cannot be preempted on CPU)."""
@@ -333,8 +335,9 @@ class VLLMConfig(Section):
     enforce_eager: bool = False
     """Run without CUDA graphs (faster start, slower decode). The CPU build always runs eagerly."""
     max_num_seqs: int | None = None
-    """Most sequences vLLM schedules at once (its ``max_num_seqs``). Null: ``generation.batch_size`` where set, else 64
-    on the CPU and vLLM's own default on a GPU (``rl/backends/vllm/settings.py``)."""
+    """Most sequences vLLM schedules at once (its ``max_num_seqs``). Null: at least a rollout's
+    ``num_prompts_per_step`` x ``num_generations_per_prompt`` sequences and at least ``generation.batch_size`` (null:
+    64 on the CPU, vLLM's own default, >= 256, on a GPU) (``rl/backends/vllm/settings.py`` ``max_num_seqs``)."""
     seed_per_request: bool | None = None
     """Give every request its own seed, so that the same weights, prompts and seed give the same completions in any
     process (a resumed or cold task repeats a warm one's rollouts). Null: as ``optim.deterministic`` resolves on the
@@ -383,13 +386,15 @@ class GenerationConfig(Section):
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 samples from the full distribution."""
     batch_size: int | None = None
-    """Sequences generated together (transformers); the most sequences vLLM schedules at once (``max_num_seqs``).
-    None: resolved from the device: 64 on the CPU; on a GPU as many as half its free memory holds (KV cache and
-    sampling work, at most 4096) for transformers, vLLM's own default for vLLM."""
-    cuda_graphs: bool = False
+    """Sequences generated together (transformers): None resolves it from the device, 64 on the CPU, on a GPU as many
+    as half its free memory holds (KV cache and sampling work, at most 4096). vLLM: its ``max_num_seqs`` is at least
+    this and at least the rollout's sequences (``num_prompts_per_step`` x ``num_generations_per_prompt``), unless
+    ``vllm_cfg.max_num_seqs`` is set."""
+    cuda_graphs: bool | None = None
     """transformers back-end on a CUDA GPU: decode on a static KV cache with each token's forward replayed as one CUDA
-    graph (``rl/backends/hf/static_decode.py``) instead of launched kernel by kernel from Python. Every row then stays
-    in the batch to the end. Ignored on the CPU. Off until measured faster on a GPU (``scripts/gpu_check.sh``)."""
+    graph (``rl/backends/hf/static_decode.py``) instead of launched kernel by kernel from Python; every row then stays
+    in the batch to the end. False: the dynamic KV-cache loop. Null: the loop measured fastest on a GPU
+    (``rl.backends.hf.decode.CUDA_LOOP``; figures in ``docs/gpu.md``). Ignored on the CPU (the dynamic loop)."""
     vllm_cfg: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings (used when ``backend`` is ``vllm``)."""
 

@@ -191,3 +191,64 @@ def test_the_generation_back_end_decodes_with_cuda_graphs_in_bf16(tiny_model_dir
     )  # bf16 rounding may differ
     assert len(graphed.input_ids) == 8 and int(graphed.response_lengths.min()) >= 1
     assert all(torch.isfinite(x).all() and (x <= 0).all() for x in graphed.generation_logprobs)
+
+
+def test_the_decode_pin_keeps_cudnn_off_a_decode_step_and_gives_torchs_flags_back(tiny):
+    """Under the decode pin torch picks a kernel other than cuDNN's for a masked one-token step; a decode under each
+    pin leaves SDPA's flags as it found them, and the pins' greedy completions score alike."""
+    from rl.backends.hf.decode import generate
+    from rl.backends.hf.sdpa import DECODE_PIN, PINS, decode_choice, pinned
+
+    _, gpu, tok = tiny
+    shape = {"rows": 64, "heads": 8, "head_dim": 64, "keys": 300, "dtype": torch.bfloat16}
+    with pinned(CUDA, "no_cudnn"):
+        assert decode_choice(CUDA, **shape) != "CUDNN_ATTENTION"
+    flags = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+    rows = [p for p in ([1, 5, 9, 13, 17], [1, 7, 2, 8]) for _ in range(4)]
+    outs = {}
+    for pin in PINS:
+        outs[pin] = generate(gpu, tok, rows, max_new_tokens=16, greedy=True, precision="float32", sdpa_pin=pin)
+        assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()) == flags
+    same = sum(
+        a.tolist() == b.tolist() for a, b in zip(outs["torch"].input_ids, outs[DECODE_PIN].input_ids, strict=True)
+    )
+    print(f"greedy completions equal under torch's choice and the decode pin: {same} of {len(rows)}")
+    assert same >= len(rows) - 2  # float32 kernels may break a near-tie differently
+
+
+def test_finished_rows_leave_a_cuda_batch_only_when_most_are_done(tiny):
+    """On CUDA, compaction at any threshold gives the completions of a batch that keeps every row (greedy)."""
+    from types import SimpleNamespace
+
+    from rl.backends.hf.decode import generate
+
+    _, gpu, tok = tiny
+    rows = [p for p in ([1, 5, 9, 13], [1, 7, 2], [1, 4], [1, 9, 9, 6]) for _ in range(2)]
+    eos = generate(gpu, tok, rows, max_new_tokens=12, greedy=True, precision="float32").response_token_ids[0][0]
+    ends = SimpleNamespace(pad_token_id=tok.pad_token_id, eos_token_id=eos)
+    outs = [
+        generate(gpu, ends, rows, max_new_tokens=12, greedy=True, precision="float32", compact_below=b)
+        for b in (0.0, 0.5, 1.0)
+    ]
+    assert [x.tolist() for x in outs[0].input_ids] == [x.tolist() for x in outs[2].input_ids]
+    assert [x.tolist() for x in outs[1].input_ids] == [x.tolist() for x in outs[2].input_ids]
+
+
+def test_the_grouped_query_decode_gives_the_repeated_heads_completions_on_cuda(tiny_model_dir):
+    """On CUDA every decode folds the grouped query heads (`rl.backends.hf.gqa_decode`); in float32 its greedy
+    completions are those of transformers' SDPA attention, which repeats the key-value heads, padded or not."""
+    from rl.backends.hf.decode import generate
+    from rl.backends.hf.model import load_model
+    from rl.model import load_tokenizer
+
+    model, tok = load_model(tiny_model_dir, "sdpa", device=CUDA), load_tokenizer(tiny_model_dir)
+    for rows in ([p for p in ([1, 5, 9, 13], [1, 7, 2]) for _ in range(4)], [[1, 5, 9, 13]] * 8):
+        outs = [
+            generate(model, tok, rows, max_new_tokens=16, greedy=True, precision="float32", gqa_decode=g, loop=loop)
+            for loop in ("dynamic", "static")
+            for g in (False, True)
+        ]
+        for i in (0, 2):
+            same = sum(a.tolist() == b.tolist() for a, b in zip(outs[i].input_ids, outs[i + 1].input_ids, strict=True))
+            assert same >= len(rows) - 1, (i, same)  # float32 kernels may break a near-tie differently
+        assert model.config._attn_implementation == "sdpa"

@@ -55,9 +55,11 @@ def bench_run(tiny_model_dir, tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (tmp / "out.jsonl").read_text().splitlines()
-    assert len(lines) == 1
+    assert len(lines) == 2  # after the steps (partial), then the whole record
+    partial, record = map(json.loads, lines)
+    assert partial["partial"] is True and "decode" not in partial and partial["phases"] == record["phases"]
     assert (tmp / "out.md").read_text() in proc.stdout
-    return json.loads(lines[0]), proc.stdout
+    return record, proc.stdout
 
 
 def test_every_phase_is_timed(bench_run):
@@ -83,9 +85,8 @@ def test_token_counts_match_the_rows_the_step_wrote(bench_run, tiny_model_dir):
     record, _ = bench_run
     generated = record["generated_tokens"]
     assert 0 < generated <= B * G * T
-    assert generated / record["generation_s"] == pytest.approx(record["gen_tok_per_s"])
+    assert generated / record["generation_s"] == pytest.approx(record["step_gen_tok_per_s"])
     assert record["gen_vs_baseline"] == pytest.approx(record["gen_tok_per_s"] / record["baseline_tok_per_s"])
-    assert 0 < record["baseline_tokens"] <= B * G * T
 
     # the timed step is step 2: training problems B .. 2B-1, each prompt G times; update tokens = prompts + responses
     d = config_from_dict({}).data
@@ -103,6 +104,26 @@ def test_token_counts_match_the_rows_the_step_wrote(bench_run, tiny_model_dir):
         flops = sum((6 * record["params"] + 12 * 2 * 64 * s) * s for s in lengths)
         assert record["steps"][1]["update_flops"] == flops
     assert record["update_mfu"] == pytest.approx(record["steps"][1]["update_flops"] / record["phases"]["update"] / 1e12)
+
+
+def test_the_decoders_are_compared_warm_and_cold_with_three_calls_each(bench_run):
+    """``generate`` and ours, each warmed once, then 3 timed calls warm and 3 cold (the CPU runs no other pin); the
+    headline figures are the medians of those calls, and every call decodes B x G rows of at most T tokens."""
+    record, stdout = bench_run
+    decode = record["decode"]
+    assert list(decode) == ["generate", "ours"] and record["calls"] == 3
+    for side in decode.values():
+        for phase in ("warm", "cold"):
+            x = side[phase]
+            assert len(x["calls"]) == len(x["tokens"]) == 3
+            assert x["min"] <= x["tok_per_s"] <= x["max"] and x["tok_per_s"] == sorted(x["calls"])[1]
+            assert all(0 < n <= B * G * T for n in x["tokens"])
+    assert record["gen_tok_per_s"] == decode["ours"]["warm"]["tok_per_s"]
+    assert record["cold_gen_vs_baseline"] == pytest.approx(
+        decode["ours"]["cold"]["tok_per_s"] / decode["generate"]["cold"]["tok_per_s"]
+    )
+    assert record["loop"] == "dynamic" and record["sdpa"]["choice"] == {}  # the CPU: no pins, no cuDNN choice
+    assert "| ours | n/a |" in stdout and "| generate | n/a |" in stdout
 
 
 def test_neither_flyte_nor_mlflow_is_imported(bench_run):

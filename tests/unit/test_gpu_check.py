@@ -176,14 +176,16 @@ def test_each_part_is_a_row_with_its_status_and_measurements(out):
         "gen / baseline": "0.81",
         "update MFU": "5.4%",
     }
-    assert s135["result"] == "NVIDIA H100 80GB HBM3: 64 x 8 x 128 tokens, bfloat16; 65,536 generated, 98,304 trained"
+    assert s135["result"] == (
+        "NVIDIA H100 80GB HBM3: 64 x 8 x 128 tokens, bfloat16, dynamic loop; 65,536 generated, 98,304 trained"
+    )
     assert (s135g["gen tok/s"], s135g["gen / baseline"]) == (
         "40,123",
         "2.11",
     )  # the --cuda-graphs record, not the plain one
     assert (
         s135g["result"]
-        == "NVIDIA H100 80GB HBM3: 64 x 8 x 128 tokens, bfloat16, CUDA graphs; 65,536 generated, 98,304 trained"
+        == "NVIDIA H100 80GB HBM3: 64 x 8 x 128 tokens, bfloat16, graphs loop; 65,536 generated, 98,304 trained"
     )
     assert s1b["result"] == "TIMED OUT after 180 s" and s1b["rollout s"] == "" and s1b["gen tok/s"] == ""
     assert (
@@ -212,6 +214,72 @@ def test_the_table_is_one_markdown_table_printed_and_written(out, capsys):
         and lines[1] == "|" + "---|" * 15
     )
     assert len(lines) == 2 + 11 and all(len(re.split(r"(?<!\\)\|", line)) == 2 + 15 for line in lines)  # 15 cells a row
+
+
+def _calls(median: float) -> dict:
+    return {"tok_per_s": median, "min": median - 1, "max": median + 1, "calls": [median - 1, median, median + 1]}
+
+
+def test_a_step_part_shows_its_decode_comparison_and_a_refit_part_its_summary(tmp_path):
+    """The whole record that follows a partial one wins; the gen tok/s columns are the warm medians, the result adds
+    every side's warm and cold ratio to generate and the SDPA kernels; a refit record shows its summary."""
+    (tmp_path / "parts.txt").write_text("part step1Bgraphs rc=0 90s\npart step1B rc=124 170s\npart refit rc=0 20s\n")
+    decode = {
+        "generate": {"warm": _calls(50000.0), "cold": _calls(40000.0)},
+        "ours": {"warm": _calls(100000.0), "cold": _calls(100000.0)},
+        "ours[cudnn]": {"warm": _calls(75000.0), "cold": _calls(20000.0)},
+    }
+    whole = STEP | {
+        "shape": "1B",
+        "loop": "graphs",
+        "cuda_graphs": True,
+        "calls": 3,
+        "decode": decode,
+        "gen_tok_per_s": 100000.0,
+        "baseline_tok_per_s": 50000.0,
+        "gen_vs_baseline": 2.0,
+        "sdpa": {
+            "cudnn_version": 91002,
+            "decode_pin": "no_cudnn",
+            "choice": {"torch": "CUDNN_ATTENTION", "no_cudnn": "EFFICIENT_ATTENTION"},
+        },
+    }
+    records = [
+        whole | {"partial": True, "decode": None, "gen_tok_per_s": None},
+        whole,
+        STEP | {"shape": "1B", "partial": True},  # step1B: killed during its comparison
+        {
+            "bench": "refit",
+            "model": "/c/models/1B",
+            "way": "host copy + refit",
+            "total_s": 0.8,
+            "copy_gb": 4.3,
+            "copy_dtype": "float32",
+        },
+        {
+            "bench": "refit",
+            "model": "/c/models/1B",
+            "way": "device copy + refit",
+            "total_s": 0.1,
+            "copy_gb": 2.15,
+            "copy_dtype": "bfloat16",
+        },
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    graphs, plain, refit = table.rows(tmp_path)
+    assert (graphs["gen tok/s"], graphs["baseline tok/s"], graphs["gen / baseline"]) == ("100,000", "50,000", "2.00")
+    assert graphs["result"].endswith(
+        "graphs loop; 65,536 generated, 98,304 trained; vs generate (median of 3): ours 2.00x warm, 2.50x cold; "
+        "ours[cudnn] 1.50x warm, 0.50x cold; cuDNN 91002, pin no_cudnn (kernels torch: CUDNN_ATTENTION, no_cudnn: "
+        "EFFICIENT_ATTENTION)"
+    )
+    assert plain["result"].startswith("TIMED OUT after 170 s; ")
+    assert plain["result"].endswith("no decode comparison (stopped after the steps)") and plain["rollout s"] == "3.210"
+    assert (refit["model"], refit["result"]) == (
+        "1B",
+        "host copy + refit: 0.800 s (4.30 GB float32 copied); device copy + refit: 0.100 s (2.15 GB bfloat16 copied, "
+        "0.12x)",
+    )
 
 
 def test_pytest_counts_read_the_closing_line_or_none():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rl.backends.hf.gqa_decode import grouped_query_decode
 from rl.backends.hf.lm_head import lm_head
 from rl.backends.hf.logprobs import hidden_states
 from rl.backends.hf.sampling import (
@@ -22,9 +23,25 @@ from rl.backends.hf.sampling import (
     one_token_masks_apply,
     prefill,
 )
+from rl.backends.hf.sdpa import DECODE_PIN, check_pin, pinned
 from rl.backends.hf.static_decode import decode_static, stored_in_compute_dtype
 from rl.backends.interfaces import Generated
 from rl.precision import autocast, device_of, on_accelerator, to_device
+
+LOOPS = ("dynamic", "static", "graphs")
+"""Decode loops: ``dynamic`` (a KV cache that grows per token, rows prefilled once per distinct prompt), ``static``
+(a static KV cache of prompt + ``max_new_tokens`` positions: every step has the same shapes) and ``graphs`` (the
+static loop with its one-token step replayed as a CUDA graph; without a graph off CUDA)."""
+
+CUDA_LOOP = "dynamic"
+"""The loop of a CUDA GPU when ``generation.cuda_graphs`` is null: measured fastest at 1B (``bench/step.py``, parts
+``step1B`` and ``step1Bgraphs`` of ``scripts/gpu_check.sh``; the graph loop was faster only at 135M). Figures:
+``docs/gpu.md``."""
+
+COMPACT_BELOW = 0.5
+"""On an accelerator the dynamic loop keeps finished rows in its batch (their tokens discarded), so that the batch
+dimension stays put, until at most this share of the batch is still open; then the finished rows leave the batch and
+the KV cache. On the CPU a finished row leaves at once."""
 
 
 def _group_size(prompts: list[list[int]]) -> int:
@@ -49,13 +66,17 @@ def generate(
     batch_size: int | None = None,
     precision: str = "auto",
     generator: torch.Generator | None = None,
-    cuda_graphs: bool = False,
+    loop: str = "dynamic",
+    sdpa_pin: str = DECODE_PIN,
+    compact_below: float = COMPACT_BELOW,
+    gqa_decode: bool | None = None,
 ) -> Generated:
     """Generate one completion per prompt (repeat a prompt G times, consecutively, for a group).
 
     A KV-cached decode loop: when the prompts come in runs of G identical ones, each distinct prompt is prefilled
     once and its KV cache repeated G times (the prompt is encoded B times instead of B*G); rows that have produced
-    eos leave the batch, so late decode steps run only the still-open rows. Positions count real tokens only
+    eos leave the batch (on an accelerator once at most ``compact_below`` of the batch is open), so late decode steps
+    run only the still-open rows. Or a static-cache loop (``loop``). Positions count real tokens only
     (:func:`rl.backends.hf.sampling.left_pad`), so a left-padded prompt is encoded exactly as it is alone, and as the
     right-padded training forward encodes it.
 
@@ -76,15 +97,28 @@ def generate(
         precision: ``auto``, ``bfloat16`` or ``float32`` (see :func:`rl.precision.autocast`).
         generator: a ``torch.Generator`` on the model's device that all sampling draws from (None: torch's global
             generator); the same seed gives the same completions on the same device.
-        cuda_graphs: decode on a static KV cache with the one-token step captured as a CUDA graph
-            (`rl.backends.hf.static_decode`); on a device other than CUDA the static loop runs without a graph. Only
-            for a model stored in its compute dtype (the GPU's bf16 generation copy), with eager or SDPA attention and
-            no sliding window shorter than the sequence (:func:`rl.backends.hf.sampling.one_token_masks_apply`);
-            otherwise the dynamic loop runs.
+        loop: one of :data:`LOOPS`. ``static`` and ``graphs`` (`rl.backends.hf.static_decode`) only for a model
+            stored in its compute dtype (the GPU's bf16 generation copy), with eager or SDPA attention and no sliding
+            window shorter than the sequence (:func:`rl.backends.hf.sampling.one_token_masks_apply`); otherwise the
+            dynamic loop runs.
+        sdpa_pin: the SDPA kernels the loop runs under on CUDA (:data:`rl.backends.hf.sdpa.PINS`).
+        compact_below: see :data:`COMPACT_BELOW` (accelerators only).
+        gqa_decode: decode steps attend with `rl.backends.hf.gqa_decode` (grouped query heads folded onto their
+            key-value head, no copies) where the model runs SDPA with grouped heads; None: on CUDA only.
 
     Returns:
         :class:`Generated`, on the host.
+
+    Raises:
+        ValueError: an unknown ``loop`` or ``sdpa_pin``, or ``compact_below`` outside [0, 1].
     """
+    if loop not in LOOPS:
+        msg = f"unknown decode loop {loop!r}: use one of {list(LOOPS)}"
+        raise ValueError(msg)
+    check_pin(sdpa_pin)
+    if not 0 <= compact_below <= 1:
+        msg = f"compact_below is {compact_below}: use a share of the batch in [0, 1]"
+        raise ValueError(msg)
     g = _group_size(prompts)
     longest = max((len(p) for p in prompts), default=0) + max_new_tokens
     step = max(g, (batch_size or default_batch_size(model, longest)) // g * g)
@@ -101,12 +135,18 @@ def generate(
     sampling = {"temperature": temperature, "top_p": top_p, "greedy": greedy, "generator": generator}
     settings = DecodeSettings(**ends, **sampling, precision=precision)
     p_lens, r_lens, trunc = [], [], []
+    device = device_of(model)
+    static = loop != "dynamic" and stored_in_compute_dtype(model, precision) and one_token_masks_apply(model, longest)
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
-        if cuda_graphs and stored_in_compute_dtype(model, precision) and one_token_masks_apply(model, longest):
-            new, lp, lengths, finished = decode_static(model, chunk, settings, graph=device_of(model).type == "cuda")
-        else:
-            new, lp, lengths, finished = _decode(model, chunk, g, settings)  # host tensors
+        gqa = device.type == "cuda" if gqa_decode is None else gqa_decode
+        with pinned(device, sdpa_pin), grouped_query_decode(model, gqa):
+            if static:
+                new, lp, lengths, finished = decode_static(
+                    model, chunk, settings, graph=loop == "graphs" and device.type == "cuda", group=g
+                )
+            else:
+                new, lp, lengths, finished = _decode(model, chunk, g, settings, compact_below)  # host tensors
         ids, r_list = new.tolist(), lengths.tolist()
         for i, p in enumerate(chunk):
             r = r_list[i]
@@ -133,9 +173,9 @@ def default_batch_size(model: torch.nn.Module, longest: int) -> int:
     an accelerator other than CUDA; on a CUDA GPU as many as half its free memory holds (free: unused device memory plus
     what torch's allocator holds unused), at least 1 and at most :data:`MAX_DEVICE_BATCH_SIZE`. Bytes per sequence: its
     KV cache of ``longest`` tokens (2 x layers x key-value heads x head dim x element size), one layer's prefill
-    activations over ``longest`` tokens (3 x MLP width + 4 x hidden size elements each; the static loop prefills every
-    row), and ten float32 vocabulary rows of sampling work (logits, log-softmax, probabilities, cumulative sums, and a
-    top-p sort's values and int64 indices)."""
+    activations over ``longest`` tokens (3 x MLP width + 4 x hidden size elements each, as if every row were
+    prefilled), and ten float32 vocabulary rows of sampling work (logits, log-softmax, probabilities, cumulative
+    sums, and a top-p sort's values and int64 indices)."""
     device = device_of(model)
     if not on_accelerator(device):
         return CPU_BATCH_SIZE
@@ -155,17 +195,21 @@ def default_batch_size(model: torch.nn.Module, longest: int) -> int:
 
 
 def _decode(
-    model: torch.nn.Module, prompts: list[list[int]], g: int, settings: DecodeSettings
+    model: torch.nn.Module, prompts: list[list[int]], g: int, settings: DecodeSettings, compact_below: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``prompts`` (runs of ``g`` identical ones) on the model's device, with a dynamic KV cache that finished
-    rows leave; returns :meth:`rl.backends.hf.sampling.Completions.to_host`."""
+    rows leave (on an accelerator once at most ``compact_below`` of the batch is open); returns
+    :meth:`rl.backends.hf.sampling.Completions.to_host`."""
     from transformers import DynamicCache
 
     device = device_of(model)
     check_every = SYNC_EVERY if on_accelerator(device) else 1
+    if not on_accelerator(device):
+        compact_below = 1.0  # a finished row leaves at once
     n, t_max, precision = len(prompts), settings.max_new_tokens, settings.precision
     ids, attn, pos = left_pad(prompts[::g], settings.pad_id)  # [n/g, P] each, host
     width = ids.shape[1]  # P
+    padded = bool((attn == 0).any())  # on the host: no device read
     ids, attn, pos = to_device(ids, device), to_device(attn, device), to_device(pos, device)
     out = Completions(n, t_max, pad_id=settings.pad_id, eos_id=settings.eos_id, device=device)
     head = lm_head(model, precision)
@@ -182,7 +226,12 @@ def _decode(
         cur_pos = pos[:, -1:].repeat_interleave(g, 0)  # [m, 1]
         mask = torch.cat([attn.repeat_interleave(g, 0), attn.new_ones(n, t_max)], 1)  # [m, P + T]
         for t in range(t_max):
-            step_mask = one_token_mask(model, mask[:, : width + t]) if own_mask else mask[:, : width + t]
+            if not padded and own_mask:  # every key is real: no mask (SDPA's grouped-head kernels, as generate)
+                step_mask = None
+            elif own_mask:
+                step_mask = one_token_mask(model, mask[:, : width + t])
+            else:
+                step_mask = mask[:, : width + t]
             hidden = hidden_states(
                 model,
                 cur,
@@ -198,7 +247,7 @@ def _decode(
                 left = int(live.sum())  # waits for the device
                 if left == 0:
                     break
-                if left < len(rows):  # finished rows leave the batch and the cache
+                if left < len(rows) and left <= compact_below * len(rows):  # finished rows leave batch and cache
                     keep = live.nonzero().squeeze(1)  # [m']
                     cache.batch_select_indices(keep)
                     rows, live, nxt, cur_pos, mask = rows[keep], live[keep], nxt[keep], cur_pos[keep], mask[keep]

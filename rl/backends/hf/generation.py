@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rl.backends.hf.decode import generate
+from rl.backends.hf.decode import CUDA_LOOP, generate
 from rl.backends.hf.model import load_model
 from rl.backends.interfaces import Generated, GenerationBackend, PolicyVersion
 from rl.config import GRPOConfig
@@ -64,8 +64,16 @@ class HFGeneration(GenerationBackend):
             batch_size=g.batch_size,
             precision=self._cfg.model.precision,
             generator=device_generator(device_of(self._model), seed),
-            cuda_graphs=g.cuda_graphs and device_of(self._model).type == "cuda",
+            loop=self._loop(),
         )
+
+    def _loop(self) -> str:
+        """The decode loop (`rl.backends.hf.decode.LOOPS`): on CUDA ``graphs`` where ``generation.cuda_graphs`` is
+        true, ``dynamic`` where false, :data:`rl.backends.hf.decode.CUDA_LOOP` where null; ``dynamic`` elsewhere."""
+        if device_of(self._model).type != "cuda":
+            return "dynamic"
+        graphs = self._cfg.generation.cuda_graphs
+        return CUDA_LOOP if graphs is None else "graphs" if graphs else "dynamic"
 
     def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         from rl.checkpoint import local_folder

@@ -9,8 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from rl.backends.hf.gqa_decode import NAME
 from rl.backends.hf.lm_head import LMHead
 from rl.backends.hf.logprobs import hidden_states
+
+SDPA_LIKE = ("sdpa", NAME)
+"""Attention implementations that take SDPA's masks: transformers' own, and its grouped-query decode
+(`rl.backends.hf.gqa_decode`)."""
 
 SYNC_EVERY = 4
 """Decode steps between two reads of the open-row count on a GPU (on the CPU: every step)."""
@@ -77,7 +82,7 @@ def one_token_masks_apply(model: torch.nn.Module, longest: int) -> bool:
     """Whether a decode step's 4D mask may be built by :func:`one_token_mask`: the model attends to every past token
     (no sliding window shorter than ``longest``) through eager or SDPA attention."""
     window = getattr(model.config, "sliding_window", None)
-    return model.config._attn_implementation in ("eager", "sdpa") and (window is None or window >= longest)
+    return model.config._attn_implementation in ("eager", *SDPA_LIKE) and (window is None or window >= longest)
 
 
 def one_token_mask(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:
@@ -86,7 +91,7 @@ def one_token_mask(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:
     decides whether to skip the mask by reading the mask's values on the host, which waits for the GPU every token.
     Bool for SDPA; additive (0 or the dtype's minimum, as transformers' eager mask) for eager attention."""
     keep = mask.bool()[:, None, None, :]  # [m, 1, 1, L]
-    if model.config._attn_implementation == "sdpa":
+    if model.config._attn_implementation in SDPA_LIKE:
         return keep
     dtype = model.get_input_embeddings().weight.dtype
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)

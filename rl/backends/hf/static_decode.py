@@ -96,21 +96,27 @@ def stored_in_compute_dtype(model: torch.nn.Module, precision: str) -> bool:
 
 
 def decode_static(
-    model: torch.nn.Module, prompts: list[list[int]], settings: sampling.DecodeSettings, *, graph: bool
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    settings: sampling.DecodeSettings,
+    *,
+    graph: bool,
+    group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``prompts`` on a static KV cache of prompt + ``settings.max_new_tokens`` positions; returns, on the
     host, :meth:`rl.backends.hf.sampling.Completions.to_host`.
 
-    Unlike the dynamic loop (`rl.backends.hf.decode`), every row is prefilled (a group's prompt G times) and stays in
-    the batch to the end, finished or not (their tokens discarded): the step's shapes never change, so one graph
-    serves every token. The open rows are read every :data:`rl.backends.hf.sampling.SYNC_EVERY` tokens, to stop once
-    all have produced eos. ``graph`` (CUDA only) captures the step (:class:`OneTokenStep`).
+    Each distinct prompt is prefilled once (``prompts`` in runs of ``group`` identical ones) and its KV written into
+    the static cache ``group`` times. Unlike the dynamic loop (`rl.backends.hf.decode`), every row stays in the batch
+    to the end, finished or not (their tokens discarded): the step's shapes never change, so one graph serves every
+    token. The open rows are read every :data:`rl.backends.hf.sampling.SYNC_EVERY` tokens, to stop once all have
+    produced eos. ``graph`` (CUDA only) captures the step (:class:`OneTokenStep`).
 
     Raises:
         ValueError: ``model`` would run under autocast (float32 weights, ``precision`` resolving to bf16): the static
             cache takes one dtype, and a captured step must not cast weights; store the model in its compute dtype.
     """
-    from transformers import StaticCache
+    from transformers import DynamicCache, StaticCache
 
     precision = settings.precision
     if not stored_in_compute_dtype(model, precision):
@@ -129,7 +135,15 @@ def decode_static(
     head = lm_head(model, precision)
     with torch.no_grad(), autocast(model, precision):
         cache = StaticCache(config=model.config, max_cache_len=width - 1 + t_max)
-        sampling.prefill(model, ids, attn, pos, cache, precision)  # every row
+        if group > 1 and width > 1:  # each distinct prompt once, its KV written for every row of its group
+            shared = DynamicCache(config=model.config)
+            sampling.prefill(model, ids[::group], attn[::group], pos[::group], shared, precision)
+            at = {"cache_position": torch.arange(width - 1, device=device)}
+            for i, layer in enumerate(shared.layers):
+                cache.update(layer.keys.repeat_interleave(group, 0), layer.values.repeat_interleave(group, 0), i, at)
+            del shared
+        else:
+            sampling.prefill(model, ids, attn, pos, cache, precision)
         step = OneTokenStep(
             model,
             head,

@@ -63,3 +63,52 @@ def test_a_local_generator_fixes_the_samples_and_leaves_the_global_rng_alone():
     c, _ = sample_next(logits, temperature=1.0, top_p=1.0, greedy=False, generator=torch.Generator().manual_seed(6))
     assert torch.equal(a, b) and torch.equal(lp_a, lp_b) and not torch.equal(a, c)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_every_loop_and_compaction_gives_the_same_greedy_completions(tiny):
+    """The static loop (``loop="static"``; ``"graphs"`` runs it without a graph off CUDA) and the dynamic loop give the
+    same greedy completions; on the CPU a finished row leaves at once whatever ``compact_below`` says."""
+    model, tok = tiny
+    rows = [p for p in ([1, 5, 9, 13], [1, 7, 2]) for _ in range(2)]
+    dynamic = generate(model, tok, rows, max_new_tokens=6, greedy=True, precision="float32")
+    for kwargs in ({"loop": "static"}, {"loop": "graphs"}, {"compact_below": 0.0}):
+        other = generate(model, tok, rows, max_new_tokens=6, greedy=True, precision="float32", **kwargs)
+        assert [x.tolist() for x in other.input_ids] == [x.tolist() for x in dynamic.input_ids], kwargs
+        for a, b in zip(other.generation_logprobs, dynamic.generation_logprobs, strict=True):
+            assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loop": "paged"}, r"unknown decode loop 'paged': use one of \['dynamic', 'static', 'graphs'\]"),
+        ({"sdpa_pin": "fast"}, "unknown SDPA pin 'fast'"),
+        ({"compact_below": 1.5}, r"compact_below is 1.5: use a share of the batch in \[0, 1\]"),
+    ],
+)
+def test_bad_decode_settings_are_refused_before_decoding(tiny, kwargs, message):
+    model, tok = tiny
+    with pytest.raises(ValueError, match=message):
+        generate(model, tok, [[1, 5]], max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("graphs", "device", "loop"),
+    [
+        (None, "cuda", "graphs"),
+        (False, "cuda", "dynamic"),
+        (True, "cuda", "graphs"),
+        (None, "cpu", "dynamic"),
+        (True, "cpu", "dynamic"),
+    ],
+)
+def test_the_back_end_picks_its_loop_from_generation_cuda_graphs_and_the_device(monkeypatch, graphs, device, loop):
+    """Null: :data:`rl.backends.hf.decode.CUDA_LOOP` on CUDA; the CPU always decodes with the dynamic loop."""
+    import rl.backends.hf.generation as hg
+    from rl.backends.hf.decode import CUDA_LOOP
+    from rl.config import config_from_dict
+
+    gen = hg.HFGeneration(config_from_dict({"generation": {"cuda_graphs": graphs}}), tokenizer=None, model_path="")
+    gen._model = torch.nn.Linear(1, 1)
+    monkeypatch.setattr(hg, "device_of", lambda _: torch.device(device))
+    assert gen._loop() == (CUDA_LOOP if graphs is None and device == "cuda" else loop)

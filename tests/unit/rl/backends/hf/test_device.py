@@ -151,6 +151,45 @@ def test_decode_samples_on_the_device_with_its_generator(tiny_model_dir, attenti
     assert len(reads) <= -(-9 // SYNC_EVERY) + (attention == "sdpa")  # open-row counts (+ SDPA's prefill mask check)
 
 
+def test_on_a_device_finished_rows_stay_in_the_batch_until_most_are_done(tiny, monkeypatch):
+    """The dynamic loop keeps the batch dimension put on an accelerator: with ``compact_below=0`` no row ever leaves,
+    with 1.0 one leaves at the first open-row count after its eos, with the default only once at most half the batch
+    is open; the greedy completions are the CPU's in every case."""
+    from types import SimpleNamespace
+
+    from transformers import DynamicCache
+
+    from rl.backends.hf.decode import COMPACT_BELOW
+
+    model, tok = tiny
+    rows = [p for p in ([1, 5, 9, 13], [1, 7, 2], [1, 4], [1, 9, 9, 6]) for _ in range(2)]  # 8 rows
+    free = generate(model, tok, rows, max_new_tokens=12, greedy=True, precision="float32")
+    # an "eos" that some rows produce early and others never: the first token of row 0's completion
+    eos = free.response_token_ids[0][0]
+    ends = SimpleNamespace(pad_token_id=tok.pad_token_id, eos_token_id=eos)
+    expected = generate(model, ends, rows, max_new_tokens=12, greedy=True, precision="float32")
+    finished = int((~expected.truncated).sum())
+    assert 0 < finished < len(rows)
+    selects: list[int] = []
+    real = DynamicCache.batch_select_indices
+    monkeypatch.setattr(
+        DynamicCache, "batch_select_indices", lambda self, keep: selects.append(len(keep)) or real(self, keep)
+    )
+    kept = {}
+    with fake_device():
+        on_device = _on_device(model)
+        for below in (0.0, COMPACT_BELOW, 1.0):
+            selects.clear()
+            got = generate(
+                on_device, ends, rows, max_new_tokens=12, greedy=True, precision="float32", compact_below=below
+            )
+            assert [x.tolist() for x in got.input_ids] == [x.tolist() for x in expected.input_ids], below
+            kept[below] = list(selects)
+    assert kept[0.0] == []
+    assert kept[1.0] and kept[1.0][-1] >= len(rows) - finished
+    assert all(k <= COMPACT_BELOW * len(rows) for k in kept[COMPACT_BELOW])  # compacted only at <= half open
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_replay_it(
     tiny_model_dir, attention, monkeypatch
@@ -174,14 +213,14 @@ def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_repl
 
         monkeypatch.setattr(static.OneTokenStep, "_step", counted)
         on_device = _on_device(model)
-        got = generate(on_device, tok, rows, max_new_tokens=9, greedy=True, precision="float32", cuda_graphs=True)
+        got = generate(on_device, tok, rows, max_new_tokens=9, greedy=True, precision="float32", loop="graphs")
         a = generate(
             on_device,
             tok,
             rows,
             max_new_tokens=9,
             precision="float32",
-            cuda_graphs=True,
+            loop="graphs",
             generator=device_generator(DEVICE, 5),
         )
         b = generate(
@@ -190,7 +229,7 @@ def test_the_static_cache_step_reads_and_copies_nothing_so_a_cuda_graph_can_repl
             rows,
             max_new_tokens=9,
             precision="float32",
-            cuda_graphs=True,
+            loop="graphs",
             generator=device_generator(DEVICE, 5),
         )
     for x, y in zip(got.input_ids, expected.input_ids, strict=True):
@@ -267,3 +306,25 @@ def test_the_back_ends_run_a_rollout_logprobs_update_and_refit_on_the_device(tin
     assert math.isfinite(metrics["loss"]) and pol.weight_version == 1 and gen.weight_version == 1
     assert len(after.input_ids) == 2
     assert all(u.pinned and u.non_blocking for u in dev.uploads if "rl/precision.py:" in u.where)
+
+
+def test_a_batch_without_padding_decodes_without_a_mask_on_a_device(tiny, monkeypatch):
+    """Prompts of one length leave no key to hide: the device's decode steps pass no mask (transformers then lets SDPA
+    take the grouped heads as they are, as its generate does), and give the CPU's greedy completions."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model, tok = tiny
+    rows = [p for p in ([1, 5, 9, 13], [1, 7, 2, 8]) for _ in range(2)]  # both 4 tokens
+    expected = generate(model, tok, rows, max_new_tokens=6, greedy=True, precision="float32")
+    masks = []
+    real = llama.LlamaModel.forward
+
+    def seen(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        masks.append(kwargs.get("attention_mask"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(llama.LlamaModel, "forward", seen)
+    with fake_device():
+        got = generate(_on_device(model), tok, rows, max_new_tokens=6, greedy=True, precision="float32")
+    assert [x.tolist() for x in got.input_ids] == [x.tolist() for x in expected.input_ids]
+    assert masks[0] is not None and all(m is None for m in masks[1:])  # the prefill's padding mask, then none
