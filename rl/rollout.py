@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,55 +18,13 @@ from rl.backends.interfaces import GenerationBackend
 from rl.config import GRPOConfig
 from rl.data import Problem
 from rl.filters import informative_groups, overlong_mask
+from rl.groups import Groups
 from rl.prompts import PromptSource, prompt_source, render_prompt
 from rl.scoring import environments, score_completions
 from rl.seeding import step_seed
 
 if TYPE_CHECKING:
     from rl.environments import EnvironmentInterface
-
-
-@dataclass
-class Groups:
-    """Completions grouped by problem, row-major (group-contiguous), before they become columns."""
-
-    problems: list[Problem] = field(default_factory=list)
-    input_ids: list[torch.Tensor] = field(default_factory=list)
-    generation_logprobs: list[torch.Tensor] = field(default_factory=list)
-    token_mask: list[torch.Tensor] = field(default_factory=list)
-    responses: list[str] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    reward_components: list[dict[str, float]] = field(default_factory=list)
-    truncated: list[bool] = field(default_factory=list)
-    prompt_lengths: list[int] = field(default_factory=list)
-    response_lengths: list[int] = field(default_factory=list)
-    env_metrics: dict[str, float] = field(default_factory=dict)
-    """The environments' own metrics (``global_post_process_and_metrics``), ``{task}/{name}``; of the last batch
-    scored when groups are joined."""
-
-    def take(self, groups: list[int], g: int) -> Groups:
-        rows = [b * g + i for b in groups for i in range(g)]
-        out = Groups(problems=[self.problems[b] for b in groups], env_metrics=dict(self.env_metrics))
-        for name in (
-            "input_ids",
-            "generation_logprobs",
-            "token_mask",
-            "responses",
-            "rewards",
-            "reward_components",
-            "truncated",
-            "prompt_lengths",
-            "response_lengths",
-        ):
-            setattr(out, name, [getattr(self, name)[r] for r in rows])
-        return out
-
-    def extend(self, other: Groups) -> None:
-        for name, value in vars(other).items():
-            if name == "env_metrics":
-                self.env_metrics.update(value)
-            else:
-                getattr(self, name).extend(value)
 
 
 def generate_groups(
@@ -83,7 +40,16 @@ def generate_groups(
 ) -> Groups:
     """Generate ``group_size`` completions per problem with ``generator`` (sampling seeded by ``seed``) and score each
     with the environment of its problem's task (:func:`rl.scoring.score_completions`; ``envs`` defaults to the
-    config's, :func:`rl.scoring.environments`)."""
+    config's, :func:`rl.scoring.environments`). With ``grpo.max_rollout_turns`` > 1, episodes of several turns
+    (:func:`rl.multi_turn.multi_turn_groups`)."""
+    envs = envs if envs is not None else environments(cfg)
+    assert envs is not None
+    if cfg.grpo.max_rollout_turns > 1:
+        from rl.multi_turn import multi_turn_groups
+
+        return multi_turn_groups(
+            generator, tokenizer, problems, cfg, group_size=group_size, greedy=greedy, seed=seed, envs=envs
+        )
     d = cfg.data
     prompts = [
         render_prompt(tokenizer, p, system_prompt=d.system_prompt, apply_chat_template=d.apply_chat_template)
@@ -93,9 +59,8 @@ def generate_groups(
     response_ids = [[int(t) for t in ids] for ids in gen.response_token_ids]
     responses = tokenizer.batch_decode(gen.response_token_ids, skip_special_tokens=True)
     owners = [p for p in problems for _ in range(group_size)]
-    envs = envs if envs is not None else environments(cfg)
-    assert envs is not None
     scores = score_completions(envs, owners, responses, response_ids, cfg)
+    n = len(owners)
     return Groups(
         problems=list(problems),
         input_ids=gen.input_ids,
@@ -107,6 +72,9 @@ def generate_groups(
         truncated=gen.truncated.tolist(),
         prompt_lengths=gen.prompt_lengths.tolist(),
         response_lengths=gen.response_lengths.tolist(),
+        turns=[1] * n,
+        environment_tokens=[0] * n,
+        truncated_by=[""] * n,
         env_metrics=scores.metrics,
     )
 
@@ -172,11 +140,25 @@ def sample_step(
         "generation_time_s": gen_s,
         "generated_tokens_per_s": generated / max(gen_s, 1e-9),
         **per_task_rewards(seen, group_size=g),
+        **(episode_metrics(kept) if cfg.grpo.max_rollout_turns > 1 else {}),
         **{f"env/{k}": v for k, v in seen.env_metrics.items()},
         "epoch": float(source.epoch(prompt_position(cfg, step) - 1)),
         "prompt_position": float(prompt_position(cfg, step)),
     }
     return kept, _sample_mask(kept, cfg), metrics
+
+
+def episode_metrics(groups: Groups) -> dict[str, float]:
+    """Multi-turn rollout metrics over the kept samples: ``turns_per_sample``, ``assistant_tokens`` and
+    ``environment_tokens`` (means per sample), ``truncated_by_turns_fraction`` and ``truncated_by_length_fraction``."""
+    n = max(len(groups.turns), 1)
+    return {
+        "turns_per_sample": sum(groups.turns) / n,
+        "assistant_tokens": sum(groups.response_lengths) / n,
+        "environment_tokens": sum(groups.environment_tokens) / n,
+        "truncated_by_turns_fraction": groups.truncated_by.count("turns") / n,
+        "truncated_by_length_fraction": groups.truncated_by.count("length") / n,
+    }
 
 
 def prompt_position(cfg: GRPOConfig, step: int) -> int:

@@ -51,9 +51,26 @@ def reward_names(cfg: GRPOConfig) -> dict[str, dict[str, float]]:
                 str(f.get("name") or str(f["function"]).rsplit(":", 1)[-1]): float(f.get("weight", 1.0))
                 for f in spec["reward_functions"]
             }
+        elif "environment" in spec:
+            out[task] = environment_class_rewards(task, spec["environment"])
         else:
             out[task] = {"reasoning_gym": 1.0}
     return out
+
+
+def environment_class_rewards(task: str, spec: Any) -> dict[str, float]:
+    """The named rewards of an environment class (``env.tasks.<task>.environment.class``): its class attribute
+    ``reward_weights``, read without building it.
+
+    Raises:
+        rl.environments.RewardConfigError: the class cannot be loaded or declares no ``reward_weights`` mapping.
+    """
+    from rl.environments.registry import environment_class
+
+    ref = spec.get("class") if isinstance(spec, dict) else None
+    cls = environment_class(str(ref), where=f"env.tasks.{task}.environment.class")
+    weights = cls.reward_weights  # checked there: a non-empty mapping
+    return {str(k): float(v) for k, v in weights.items()}
 
 
 def all_reward_names(cfg: GRPOConfig) -> list[str]:
@@ -109,7 +126,7 @@ def score_completions(
             messages = prompt_messages(p, system_prompt=d.system_prompt, apply_chat_template=d.apply_chat_template)
             reply = {"role": "assistant", "content": responses[i], "token_ids": list(response_token_ids[i])}
             logs.append([*messages, reply])
-            metadata.append(_metadata(p, d.answer_key))
+            metadata.append(episode_metadata(p, d.answer_key))
         ret = env.step(logs, metadata)
         total = weighted_total(ret.rewards, env.reward_weights, row_ids=[m["row_id"] for m in metadata])  # [rows]
         named = ret.rewards if isinstance(ret.rewards, dict) else {next(iter(env.reward_weights)): ret.rewards}
@@ -121,7 +138,9 @@ def score_completions(
     return out
 
 
-def _metadata(p: Problem, answer_key: str | None) -> dict[str, Any]:
+def episode_metadata(p: Problem, answer_key: str | None) -> dict[str, Any]:
+    """What an environment receives about a sample besides its messages: the problem's ``entry``, with ``prompt``
+    (as the dataset gave it), ``row_id``, ``task_name`` and, where ``answer_key`` names a column, ``answer``."""
     meta = dict(p.entry)
     if answer_key is not None and "answer" not in meta:
         meta["answer"] = p.answer

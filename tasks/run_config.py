@@ -285,6 +285,15 @@ def _check_user_inputs_reach_pods(cfg: RunConfig) -> None:
                 f"upload it next to dataplane.root (e.g. {cfg.dataplane.root.rstrip('/')}/datasets/) and give its URL",
             )
     for task, spec in cfg.task_specs().items():
+        ref = (spec.get("environment") or {}).get("class")
+        why = importable_in_pod(str(ref), os.getcwd()) if ref else None
+        if why is not None:
+            fail(
+                f"env.tasks.{task}.environment.class",
+                f"{ref!r} cannot be imported in the run's pods: {why}",
+                "put the file inside the project folder you run pyflyte from (fast registration ships it), or "
+                "install its package in the task images",
+            )
         for i, fn in enumerate(spec.get("reward_functions", [])):
             why = importable_in_pod(str(fn["function"]), os.getcwd())
             if why is not None:

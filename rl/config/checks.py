@@ -388,6 +388,32 @@ def check_across_sections(cfg: GRPOConfig) -> None:
             "set it to true: trajectories of older weights need the off-policy correction (or set "
             "max_trajectory_age_steps 0)",
         )
+    g = cfg.grpo
+    if g.max_rollout_turns > 1 and shaping.enabled:
+        fail(
+            "grpo.reward_shaping.enabled",
+            f"is true with grpo.max_rollout_turns {g.max_rollout_turns}: the overlong punishment measures one "
+            "completion against generation.max_new_tokens, and an episode has several",
+            "turn reward shaping off, or use one turn",
+        )
+    if g.max_rollout_turns > 1 and g.max_total_sequence_length <= cfg.generation.max_new_tokens:
+        fail(
+            "grpo.max_total_sequence_length",
+            f"{g.max_total_sequence_length} leaves no room for a prompt and a turn of "
+            f"generation.max_new_tokens={cfg.generation.max_new_tokens}",
+            "raise it (a whole episode's tokens), e.g. 2048",
+        )
+    if (
+        g.max_rollout_turns > 1
+        and cfg.generation.backend == "vllm"
+        and g.max_total_sequence_length > cfg.generation.vllm_cfg.max_model_len
+    ):
+        fail(
+            "grpo.max_total_sequence_length",
+            f"{g.max_total_sequence_length} is longer than generation.vllm_cfg.max_model_len="
+            f"{cfg.generation.vllm_cfg.max_model_len}, which vLLM would refuse mid-episode",
+            "lower it to at most max_model_len, or raise max_model_len",
+        )
     _check_tasks(cfg)
     n = cfg.samples_per_step
     gbs = cfg.optim.train_global_batch_size

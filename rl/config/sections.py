@@ -179,8 +179,10 @@ class EnvConfig(Section):
     Empty with reasoning-gym prompts: its own scorer."""
     tasks: dict = field(default_factory=dict)
     """Several tasks in one run: task name (a value of the ``data.task_key`` column) -> its environment,
-    ``{reward_functions: [...]}`` or ``{reasoning_gym: {dataset: chain_sum, dataset_kwargs: {...}}}``. Metrics are
-    logged per task (``train/reward/<task>``, ``validation/accuracy/<task>``)."""
+    ``{reward_functions: [...]}``, ``{reasoning_gym: {dataset: chain_sum, dataset_kwargs: {...}}}`` or an
+    ``EnvironmentInterface`` subclass of your own, ``{environment: {class: "pkg.module:Class" or
+    "path/to/file.py:Class", kwargs: {...}}}`` (built as ``Class(**kwargs)``). Metrics are logged per task
+    (``train/reward/<task>``, ``validation/accuracy/<task>``)."""
     num_workers: int = 2
     """Worker processes that run reward code (isolated from the rollout's process)."""
     timeout_s: float = 120.0
@@ -280,9 +282,25 @@ class GRPOSettings(Section):
     the policy it trains. The trajectory age (k - 1 minus the sample's ``weight_version``) is at most a. NeMo-RL's
     name and meaning (its async mode needs a >= 1). a > 0 needs ``loss.use_importance_sampling_correction``. See
     docs/async.md."""
+    max_rollout_turns: int = 1
+    """Turns per episode: 1 generates one completion per prompt; more runs the multi-turn loop (``rl/multi_turn.py``,
+    NeMo-RL's ``run_multi_turn_rollout``): the environment replies to each turn until it ends the episode or this many
+    turns were generated (the sample is then truncated)."""
+    max_total_sequence_length: int = 2048
+    """Multi-turn: most tokens of a whole episode (prompt, every turn, every observation); an episode whose next turn
+    could pass it ends there, truncated (NeMo-RL's ``max_seq_len`` of its multi-turn rollout). Keep it within the
+    model's positions (and ``generation.vllm_cfg.max_model_len``)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.max_rollout_turns < 1:
+            fail("grpo.max_rollout_turns", f"is {self.max_rollout_turns}", "use 1 (one turn) or more")
+        if self.max_total_sequence_length < 2:
+            fail(
+                "grpo.max_total_sequence_length",
+                f"is {self.max_total_sequence_length}",
+                "use the longest episode in tokens the model takes, e.g. 2048",
+            )
         if self.dynamic_sampling_max_gen_batches < 1:
             fail(
                 "grpo.dynamic_sampling_max_gen_batches", f"is {self.dynamic_sampling_max_gen_batches}", "use at least 1"

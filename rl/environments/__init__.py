@@ -2,7 +2,8 @@
 reasoning-gym scoring and TRL-signature reward functions run in isolated worker processes.
 
 Modules: ``interfaces`` (the interface, ``weighted_total``, the errors), ``workers`` (the process pool),
-``reasoning_gym``, ``reward_functions``, ``rewards`` (built-in reward functions), ``registry`` (from the config).
+``reasoning_gym``, ``reward_functions``, ``rewards`` (built-in reward functions), ``sliding_puzzle`` (a multi-turn
+game), ``registry`` (from the config).
 The names below are imported on first use, so a reward worker that imports this package loads nothing else.
 """
 
@@ -18,6 +19,7 @@ _EXPORTS = {
     "RewardError": "interfaces",
     "weighted_total": "interfaces",
     "ReasoningGymEnvironment": "reasoning_gym",
+    "SlidingPuzzleEnvironment": "sliding_puzzle",
     "RewardFunctionEnvironment": "reward_functions",
     "RewardFunctionSpec": "reward_functions",
     "check_reward_function": "reward_functions",
@@ -27,6 +29,14 @@ _EXPORTS = {
     "check_environment_specs": "registry",
     "describe_environments": "registry",
     "RewardWorkerPool": "workers",
+    "ToolEnvironment": "tools",
+    "ToolCall": "tools",
+    "ToolResult": "tools",
+    "ParseError": "tools",
+    "evaluate": "tools",
+    "parse_tool_calls": "tools",
+    "render_tools_prompt": "tools",
+    "tool_schema": "tools",
 }
 
 __all__ = [
@@ -38,12 +48,21 @@ __all__ = [
     "RewardFunctionEnvironment",
     "RewardFunctionSpec",
     "RewardWorkerPool",
+    "ParseError",
+    "SlidingPuzzleEnvironment",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolResult",
     "build_environments",
     "check_environment_specs",
     "check_reward_function",
     "describe_environments",
+    "evaluate",
     "importable_in_pod",
+    "parse_tool_calls",
+    "render_tools_prompt",
     "source_hash",
+    "tool_schema",
     "weighted_total",
 ]
 
@@ -63,6 +82,17 @@ if TYPE_CHECKING:
         check_reward_function,
         importable_in_pod,
         source_hash,
+    )
+    from rl.environments.sliding_puzzle import SlidingPuzzleEnvironment
+    from rl.environments.tools import (
+        ParseError,
+        ToolCall,
+        ToolEnvironment,
+        ToolResult,
+        evaluate,
+        parse_tool_calls,
+        render_tools_prompt,
+        tool_schema,
     )
     from rl.environments.workers import RewardWorkerPool
 
