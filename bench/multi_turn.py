@@ -7,9 +7,9 @@ process, on the transformers generation back-end.
 
 A random-weight model (``--random-shape``, ``bench.megatron.SIZES``, the SmolLM2 tokenizer) rarely produces eos, so
 every turn runs to T tokens and both sides generate the same number of tokens; the real model stops where it likes.
-Each side runs once as a warm-up and ``--repeats`` times timed (median, min, max). The multi-turn side re-encodes the
-conversation every turn (the generation interface is stateless): its extra cost is those prefills, the environment's
-turns and the loop's own work.
+Each side runs once as a warm-up and ``--repeats`` times timed (median, min, max). The multi-turn side keeps each
+row's KV cache between turns (`rl/backends/hf/kv_reuse.py`), so a turn prefills only the environment's reply: its
+extra cost is those tokens, each turn's call and the loop's own work.
 """
 
 from __future__ import annotations

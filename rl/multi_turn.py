@@ -18,8 +18,9 @@ An environment that raises, takes longer than ``env.timeout_s`` for a step, retu
 malformed observation fails the rollout with :class:`EnvironmentFault`, naming it, its task and the sample.
 
 One sample is one row of jagged per-token columns (``input_ids``, ``token_mask``, ``generation_logprobs``): prompt,
-then assistant and environment turns in order; advantages use the episode's total reward. Every turn re-encodes the
-conversation (vLLM's prefix cache reuses the prefix on its side; the transformers loop does not yet).
+then assistant and environment turns in order; advantages use the episode's total reward. A turn does not re-encode
+the turns before it: the transformers back-end keeps each row's KV cache from one call to the next
+(``keep_kv`` / ``continues``, `rl.backends.hf.kv_reuse`), vLLM's prefix cache does the same on its side.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ class Episode:
     assistant_tokens: int = 0
     environment_tokens: int = 0
     stop_strings: list[str] | None = None
+    kv_row: int | None = None
+    """Its row in the last generate call (whose KV the back-end may have kept: ``continues``)."""
     done: bool = False
     truncated: bool = False
     truncated_by: str = ""
@@ -213,12 +216,17 @@ def multi_turn_groups(
         active = [e for e in episodes if not e.done]
         if not active:
             break
+        reuse = getattr(generator, "reuses_kv", False) and turn < g.max_rollout_turns  # a later turn may continue
+        keep = {"keep_kv": True} if reuse else {}
         if turn == 1 and len(active) == len(episodes):
-            out = generator.generate(prompts, group_size=group_size, seed=seed, greedy=greedy)
+            out = generator.generate(prompts, group_size=group_size, seed=seed, greedy=greedy, **keep)
         else:
             inputs = [list(e.input_ids) for e in active]
-            out = generator.generate(inputs, group_size=1, seed=step_seed(seed, turn, "turn"), greedy=greedy)
+            if getattr(generator, "reuses_kv", False):
+                keep["continues"] = [e.kv_row for e in active]
+            out = generator.generate(inputs, group_size=1, seed=step_seed(seed, turn, "turn"), greedy=greedy, **keep)
         for i, e in enumerate(active):
+            e.kv_row = i
             ids = [int(t) for t in out.response_token_ids[i]]
             lp = out.generation_logprobs[i][len(out.input_ids[i]) - len(ids) :].tolist()
             keep, text = cut_at_stop_string(tokenizer, ids, e.stop_strings)

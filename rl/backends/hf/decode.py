@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rl.backends.hf.gqa_decode import grouped_query_decode
+from rl.backends.hf.kv_reuse import KVRow, reusable, row_layers, seeded_cache
 from rl.backends.hf.lm_head import lm_head
 from rl.backends.hf.logprobs import hidden_states
 from rl.backends.hf.sampling import (
@@ -70,6 +71,8 @@ def generate(
     sdpa_pin: str = DECODE_PIN,
     compact_below: float = COMPACT_BELOW,
     gqa_decode: bool | None = None,
+    kv_in: list[KVRow | None] | None = None,
+    kv_out: list[KVRow | None] | None = None,
 ) -> Generated:
     """Generate one completion per prompt (repeat a prompt G times, consecutively, for a group).
 
@@ -105,6 +108,9 @@ def generate(
         compact_below: see :data:`COMPACT_BELOW` (accelerators only).
         gqa_decode: decode steps attend with `rl.backends.hf.gqa_decode` (grouped query heads folded onto their
             key-value head, no copies) where the model runs SDPA with grouped heads; None: on CUDA only.
+        kv_in: [N] the KV a previous call kept per row (`rl.backends.hf.kv_reuse.KVRow`, or None): a prompt that
+            starts with its row's tokens prefills only the rest (the dynamic loop, prompts not in groups).
+        kv_out: a list the call appends each row's KV to (None where the static loop ran), for the next call.
 
     Returns:
         :class:`Generated`, on the host.
@@ -119,7 +125,7 @@ def generate(
     if not 0 <= compact_below <= 1:
         msg = f"compact_below is {compact_below}: use a share of the batch in [0, 1]"
         raise ValueError(msg)
-    g = _group_size(prompts)
+    g = 1 if kv_in is not None else _group_size(prompts)  # continued rows each have their own cache
     longest = max((len(p) for p in prompts), default=0) + max_new_tokens
     step = max(g, (batch_size or default_batch_size(model, longest)) // g * g)
     out = Generated(
@@ -146,7 +152,11 @@ def generate(
                     model, chunk, settings, graph=loop == "graphs" and device.type == "cuda", group=g
                 )
             else:
-                new, lp, lengths, finished = _decode(model, chunk, g, settings, compact_below)  # host tensors
+                kept = None if kv_out is None else [None] * len(chunk)
+                reuse = None if kv_in is None else kv_in[start : start + step]
+                new, lp, lengths, finished = _decode(model, chunk, g, settings, compact_below, reuse, kept)
+        if kv_out is not None:
+            kv_out.extend(kept if not static and kept is not None else [None] * len(chunk))
         ids, r_list = new.tolist(), lengths.tolist()
         for i, p in enumerate(chunk):
             r = r_list[i]
@@ -195,11 +205,20 @@ def default_batch_size(model: torch.nn.Module, longest: int) -> int:
 
 
 def _decode(
-    model: torch.nn.Module, prompts: list[list[int]], g: int, settings: DecodeSettings, compact_below: float
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    g: int,
+    settings: DecodeSettings,
+    compact_below: float,
+    kv_in: list[KVRow | None] | None = None,
+    kv_out: list[KVRow | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``prompts`` (runs of ``g`` identical ones) on the model's device, with a dynamic KV cache that finished
     rows leave (on an accelerator once at most ``compact_below`` of the batch is open); returns
-    :meth:`rl.backends.hf.sampling.Completions.to_host`."""
+    :meth:`rl.backends.hf.sampling.Completions.to_host`.
+
+    ``kv_in`` ([n], with ``g`` 1): a row whose prompt starts with its entry's tokens prefills only the rest
+    (`rl.backends.hf.kv_reuse`). ``kv_out`` ([n], filled in place): each row's KV of the tokens it fed."""
     from transformers import DynamicCache
 
     device = device_of(model)
@@ -207,19 +226,27 @@ def _decode(
     if not on_accelerator(device):
         compact_below = 1.0  # a finished row leaves at once
     n, t_max, precision = len(prompts), settings.max_new_tokens, settings.precision
-    ids, attn, pos = left_pad(prompts[::g], settings.pad_id)  # [n/g, P] each, host
-    width = ids.shape[1]  # P
-    padded = bool((attn == 0).any())  # on the host: no device read
+    cached = [reusable(kv, p) for kv, p in zip(kv_in, prompts, strict=True)] if kv_in and g == 1 else [0] * n
+    ids, attn, pos = left_pad([p[c:] for p, c in zip(prompts[::g], cached[::g], strict=True)], settings.pad_id)
+    pos = pos + torch.tensor(cached[::g], dtype=torch.int64)[:, None] * attn  # [n/g, P] each, host
     ids, attn, pos = to_device(ids, device), to_device(attn, device), to_device(pos, device)
     out = Completions(n, t_max, pad_id=settings.pad_id, eos_id=settings.eos_id, device=device)
     head = lm_head(model, precision)
-    own_mask = on_accelerator(device) and one_token_masks_apply(model, width + t_max)
     # one autocast block around the whole loop: its cache casts the float32 weights to bf16 once, not per token
     with torch.no_grad(), autocast(model, precision):
-        cache = DynamicCache(config=model.config)
-        prefill(model, ids, attn, pos, cache, precision)  # once per distinct prompt
-        if width > 1 and g > 1:
-            cache.batch_repeat_interleave(g)
+        if any(cached):  # the conversation so far from the last call; only what came after it is prefilled
+            assert kv_in is not None
+            cache, seen = seeded_cache(model, kv_in, cached)  # [n, C]
+            attn = torch.cat([seen, attn], 1)  # [n, C + P]
+            prefill(model, ids, attn, pos, cache, precision)
+        else:
+            cache = DynamicCache(config=model.config)
+            prefill(model, ids, attn, pos, cache, precision)  # once per distinct prompt
+            if ids.shape[1] > 1 and g > 1:
+                cache.batch_repeat_interleave(g)
+        width = attn.shape[1]  # C + P
+        padded = any(cached) or any(len(p) != len(prompts[0]) for p in prompts)  # on the host: no device read
+        own_mask = on_accelerator(device) and one_token_masks_apply(model, width + t_max)
         rows = torch.arange(n, device=device)  # [m] rows in the batch, as indices into the chunk
         live = torch.ones(n, dtype=torch.bool, device=device)  # [m] rows in the batch that are still open
         cur = ids[:, -1:].repeat_interleave(g, 0)  # [m, 1]
@@ -249,8 +276,36 @@ def _decode(
                     break
                 if left < len(rows) and left <= compact_below * len(rows):  # finished rows leave batch and cache
                     keep = live.nonzero().squeeze(1)  # [m']
+                    if kv_out is not None:
+                        _keep_kv(cache, rows, mask, out.lengths, width, (~live).nonzero().squeeze(1), kv_out)
                     cache.batch_select_indices(keep)
                     rows, live, nxt, cur_pos, mask = rows[keep], live[keep], nxt[keep], cur_pos[keep], mask[keep]
             cur = nxt[:, None]
             cur_pos = cur_pos + 1
-    return out.to_host()
+        if kv_out is not None:  # the rows still in the batch
+            _keep_kv(cache, rows, mask, out.lengths, width, torch.arange(len(rows), device=device), kv_out)
+    host = out.to_host()
+    if kv_out is not None:  # the tokens each row's KV covers: its prompt and its completion but the last token
+        for i, p in enumerate(prompts):
+            layers = kv_out[i]
+            assert isinstance(layers, list)
+            r = int(host[2][i])
+            kv_out[i] = KVRow(tokens=[*p, *host[0][i, : r - 1].tolist()], layers=layers)
+    return host
+
+
+def _keep_kv(
+    cache: object,
+    rows: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    width: int,
+    which: torch.Tensor,
+    kv_out: list,
+) -> None:
+    """Copy the KV of batch rows ``which`` (indices into ``rows``) into ``kv_out`` at their chunk index, where not
+    kept yet: the positions of each row's real tokens up to its last fed one (prompt width + response length - 1)."""
+    picked = torch.stack([which, rows[which], lengths[rows[which]]]).cpu()  # [3, k]: one read of the device
+    for j, i, r in zip(*picked.tolist(), strict=True):
+        if kv_out[i] is None:
+            kv_out[i] = row_layers(cache, j, mask[j, : width + r - 1].bool())

@@ -40,12 +40,28 @@ class HFGeneration(GenerationBackend):
         self._model_path = model_path
         self._model: torch.nn.Module | None = None
         self._version: int | None = None
+        self._kv: list | None = None  # the last call's rows' KV (keep_kv), for the next call's continues
 
     @property
     def weight_version(self) -> int | None:
         return self._version
 
-    def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
+    reuses_kv = True
+    """:meth:`generate` takes ``continues`` and ``keep_kv`` (the multi-turn loop's prefix reuse, `rl.multi_turn`)."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        group_size: int,
+        seed: int,
+        greedy: bool = False,
+        continues: list[int | None] | None = None,
+        keep_kv: bool = False,
+    ) -> Generated:
+        """See :meth:`GenerationBackend.generate`. ``keep_kv``: keep each row's KV cache after the call (until the next
+        call or refit); ``continues`` ([len(prompts)], group_size 1): the row of the previous call each prompt
+        continues (its tokens then start the prompt, which prefills only the rest), or None."""
         if self._model is None:
             msg = "the transformers generation back-end holds no weights yet: call refit(version) first"
             raise RuntimeError(msg)
@@ -53,7 +69,12 @@ class HFGeneration(GenerationBackend):
         g = self._cfg.generation
         limit = getattr(self._model.config, "max_position_embeddings", None) or 1 << 30
         check_fits([len(p) for p in prompts], g.max_new_tokens, int(limit), MODEL_LIMIT)
-        return generate(
+        previous, self._kv = self._kv, None
+        kv_in = None
+        if continues is not None and previous is not None and group_size == 1:
+            kv_in = [previous[c] if c is not None and 0 <= c < len(previous) else None for c in continues]
+        kept: list | None = [] if keep_kv else None
+        out = generate(
             self._model,
             self._tokenizer,
             [p for p in prompts for _ in range(group_size)],
@@ -65,7 +86,11 @@ class HFGeneration(GenerationBackend):
             precision=self._cfg.model.precision,
             generator=device_generator(device_of(self._model), seed),
             loop=self._loop(),
+            kv_in=kv_in,
+            kv_out=kept,
         )
+        self._kv = kept
+        return out
 
     def _loop(self) -> str:
         """The decode loop (`rl.backends.hf.decode.LOOPS`): on CUDA ``graphs`` where ``generation.cuda_graphs`` is
@@ -90,7 +115,7 @@ class HFGeneration(GenerationBackend):
             if self._model is None:
                 self._model = load_model(self._model_path, dtype=self._dtype())
             copy_weights(self._model, weights)
-        self._version = version.step
+        self._version, self._kv = version.step, None  # a kept KV belongs to the old weights
 
     def _dtype(self) -> torch.dtype:
         """bfloat16 on a GPU where ``model.precision`` resolves to it; float32 elsewhere (the CPU keeps float32 weights
@@ -102,7 +127,7 @@ class HFGeneration(GenerationBackend):
         return torch.float32
 
     def shutdown(self) -> bool:
-        self._model, self._version = None, None
+        self._model, self._version, self._kv = None, None, None
         return True
 
 

@@ -63,9 +63,9 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 def prefill(
     model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache: object, precision: str
 ) -> None:
-    """Write all but the last token of every row (``ids``, ``attn``, ``pos``: [n, P], from :func:`left_pad`) into
-    the KV ``cache``, the trunk only (no LM head); nothing when P is 1. The last token is the first decode step's
-    input."""
+    """Write all but the last token of every row (``ids``, ``pos``: [n, P], from :func:`left_pad`) into the KV
+    ``cache``, the trunk only (no LM head); nothing when P is 1. The last token is the first decode step's input.
+    ``attn`` is [n, P], or [n, C + P] where the cache already holds C positions (its padding mask first)."""
     if ids.shape[1] > 1:
         hidden_states(
             model,

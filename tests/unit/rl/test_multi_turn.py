@@ -225,3 +225,49 @@ def test_the_examples_configs_load_as_multi_turn_runs(example):
     assert cfg.grpo.max_rollout_turns > 1
     assert reward_names(cfg) == {"sliding_puzzle": {"puzzle": {"solved": 1.0}}, "tool_arithmetic": {
         "arith": {"correct": 1.0}}}[example]  # fmt: skip
+
+
+class _NoReuse:
+    """The back-end without its KV reuse: every turn prefills the whole conversation."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner = inner
+
+    def generate(self, prompts, *, group_size, seed, greedy=False):  # noqa: ANN001, ANN201
+        return self.inner.generate(prompts, group_size=group_size, seed=seed, greedy=greedy)
+
+
+def test_a_turn_reuses_the_kv_of_the_turns_before_it_and_gets_the_same_episodes(gen, monkeypatch):
+    """With the transformers back-end's kept KV (``keep_kv`` / ``continues``) turn k prefills only what came after
+    turn k - 1, and the greedy episodes equal those of a back-end that prefills every turn whole (float32)."""
+    import transformers.models.llama.modeling_llama as llama
+
+    g, tok = gen
+    cfg = _cfg()
+    fed: list[int] = []
+    real = llama.LlamaModel.forward
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:  # prefills (decode steps feed one token)
+            fed.append(ids.shape[1])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(llama.LlamaModel, "forward", counted)
+    outs, prefilled = [], []
+    for generator in (_NoReuse(g), g):
+        fed.clear()
+        outs.append(
+            multi_turn_groups(
+                generator, tok, PROBLEMS, cfg, group_size=2, greedy=True, seed=1, envs={"chain_sum": Echo(until=3)}
+            )  # fmt: skip
+        )
+        prefilled.append(list(fed))
+    plain, reused = outs
+    assert [x.tolist() for x in reused.input_ids] == [x.tolist() for x in plain.input_ids]
+    for a, b in zip(reused.generation_logprobs, plain.generation_logprobs, strict=True):
+        assert torch.allclose(a, b, atol=1e-4)
+    shortest = min(plain.prompt_lengths)
+    (_, *again), (_, *continued) = prefilled  # turn 1 prefills the prompts; then turns 2 and 3
+    assert len(again) == len(continued) == 2 and all(w > shortest for w in again), prefilled  # the whole conversation
+    assert all(w < shortest for w in continued), prefilled  # only the environment's reply

@@ -328,3 +328,23 @@ def test_a_batch_without_padding_decodes_without_a_mask_on_a_device(tiny, monkey
         got = generate(_on_device(model), tok, rows, max_new_tokens=6, greedy=True, precision="float32")
     assert [x.tolist() for x in got.input_ids] == [x.tolist() for x in expected.input_ids]
     assert masks[0] is not None and all(m is None for m in masks[1:])  # the prefill's padding mask, then none
+
+
+def test_a_continued_call_reuses_the_kept_kv_on_a_device_and_decodes_as_the_cpu(tiny):
+    """A call keeps each row's KV (``kv_out``); a second call whose prompts continue those rows (their tokens, then a
+    reply) prefills only the reply (``kv_in``) and gives the greedy completions the CPU gives the whole prompts."""
+    from rl.backends.hf.kv_reuse import reusable
+
+    model, tok = tiny
+    rows = [[1, 5, 9, 13], [1, 7, 2], [1, 4, 4, 4, 4], [1, 9]]
+    with fake_device():
+        on_device = _on_device(model)
+        kept: list = []
+        first = generate(on_device, tok, rows, max_new_tokens=5, greedy=True, precision="float32", kv_out=kept)
+        follow = [[*x.tolist(), 3, 8, 6] for x in first.input_ids]  # each row's conversation, then a reply
+        assert [reusable(kv, p) for kv, p in zip(kept, follow, strict=True)] == [len(x) - 1 for x in first.input_ids]
+        again = generate(on_device, tok, follow, max_new_tokens=5, greedy=True, precision="float32", kv_in=kept)
+    expected = generate(model, tok, follow, max_new_tokens=5, greedy=True, precision="float32")
+    assert [x.tolist() for x in again.input_ids] == [x.tolist() for x in expected.input_ids]
+    for a, b in zip(again.generation_logprobs, expected.generation_logprobs, strict=True):
+        assert torch.allclose(a, b, atol=1e-4)
