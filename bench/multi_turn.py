@@ -1,6 +1,10 @@
 """What the multi-turn loop costs: K turns of T tokens (`rl.multi_turn.multi_turn_groups`, an environment that
-answers "ok" and ends the episode at turn K) against the same K * T tokens generated in one turn, side by side in one
-process, on the transformers generation back-end.
+answers "ok" and ends the episode at turn K) against one turn of the same tokens, side by side in one process, on the
+transformers generation back-end. Two one-turn baselines:
+
+* ``one turn of K*T tokens``: the same generated tokens, without the environment's;
+* ``one turn, same tokens``: the same tokens in all: the prompt followed by the K - 1 environment replies' tokens
+  (prefilled, as the loop prefills them), then K * T generated. The loop's own cost is its time over this one's.
 
     python -m bench.multi_turn [--model DIR | --random-shape 135M] [--prompts 8] [--group 4] [--turns 4]
                                [--tokens 16] [--repeats 3] [--device cpu] [--json PATH] [--out PATH.md]
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from rl.config import DEFAULT_MODEL, config_from_dict
     from rl.data import Problem
     from rl.model import load_tokenizer, resolve_model
-    from rl.multi_turn import multi_turn_groups
+    from rl.multi_turn import ChatTurns, multi_turn_groups
     from rl.prompts import render_prompt
 
     with tempfile.TemporaryDirectory(prefix="bench-multi-turn-") as tmp:
@@ -103,7 +107,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             Problem(question=f"Count to {i + 3}.", answer="", entry={}, task="chain_sum", row_id=f"bench:{i}")
             for i in range(args.prompts)
         ]
-        sides = {"one turn of K*T tokens": cfg(1, k * t), f"{k} turns of T tokens": cfg(k, t)}
+        replies = ChatTurns(tok, apply_chat_template=True).observation_ids(
+            {"role": "user", "content": "ok"}, ended_with_eos=False
+        ) * (k - 1)  # what the loop prefills between turns (a random model's turn rarely ends with eos)
+        same = "one turn, same tokens"
+        sides = {"one turn of K*T tokens": cfg(1, k * t), same: cfg(1, k * t), f"{k} turns of T tokens": cfg(k, t)}
         gens = {}
         for name, c in sides.items():
             gens[name] = HFGeneration(c, tokenizer=tok, model_path=path)
@@ -118,8 +126,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     render_prompt(tok, p, system_prompt=d.system_prompt, apply_chat_template=d.apply_chat_template)
                     for p in problems
                 ]
-                out = gen.generate(prompts, group_size=args.group, seed=seed)
-                tokens, env_tokens = int(out.response_lengths.sum()), 0
+                extra = replies if name == same else []
+                out = gen.generate([[*p, *extra] for p in prompts], group_size=args.group, seed=seed)
+                tokens, env_tokens = int(out.response_lengths.sum()), len(extra) * len(prompts) * args.group
             else:
                 g = multi_turn_groups(
                     gen, tok, problems, c, group_size=args.group, greedy=False, seed=seed, envs={"chain_sum": Ok(k)}
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name in sides:
                 timed[name].append(run(name, r + 1))
         base = statistics.median(s for s, _, _ in timed[next(iter(sides))])
+        base_same = statistics.median(s for s, _, _ in timed[same])
         for name, runs in timed.items():
             secs = [s for s, _, _ in runs]
             rows.append(
@@ -146,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "generated_tokens": statistics.median_low(n for _, n, _ in runs),
                     "environment_tokens": statistics.median_low(e for _, _, e in runs),
                     "vs_one_turn": statistics.median(secs) / base,
+                    "vs_same_tokens": statistics.median(secs) / base_same,
                 }
             )
     record = {
@@ -174,12 +185,12 @@ def table(r: dict[str, Any]) -> str:
         f"# Multi-turn loop against one turn ({r['model']}, {r['rows']} rows, K = {r['turns']}, T = "
         f"{r['tokens_per_turn']}, {r['device']}, {r['torch_threads']} threads; median of {r['repeats']})",
         "",
-        "| side | s (median) | min - max | generated tokens | environment tokens | time vs one turn |",
-        "|---|---|---|---|---|---|",
+        "| side | s (median) | min - max | generated tokens | environment tokens | time vs one turn | vs same tokens |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {x['side']} | {x['s']:.3f} | {x['min']:.3f} - {x['max']:.3f} | {x['generated_tokens']:,} | "
-        f"{x['environment_tokens']:,} | {x['vs_one_turn']:.2f} |"
+        f"{x['environment_tokens']:,} | {x['vs_one_turn']:.2f} | {x['vs_same_tokens']:.2f} |"
         for x in r["sides"]
     ]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,8 @@ Each turn (:func:`multi_turn_groups`):
 
 1. every active sample generates one assistant turn from its whole conversation so far (through the generation
    back-end's ``generate``, so the transformers loop and vLLM alike), stopping at eos or, where the environment gave
-   them, at its ``next_stop_strings`` (the completion is cut after the first stop string it contains);
+   them, at its ``next_stop_strings`` (the back-end stops the row there: vLLM's ``stop``, the transformers loop's
+   `rl.backends.hf.stop_strings`; the completion is then cut right after the first stop string it contains);
 2. the environment of each sample's task gets the message logs and metadata of its active samples
    (``EnvironmentInterface.step``); its rewards are summed over the turns (named ones per name);
 3. a sample whose environment says ``terminated`` is done; the others get the environment's observation rendered as
@@ -69,6 +70,7 @@ class ChatTurns:
         self.tokenizer, self.templated = tokenizer, apply_chat_template
         self.eos = tokenizer.eos_token or ""
         self.end_of_turn = "\n"
+        self._before: str | None = None
         if apply_chat_template:
             user, assistant = _PROBE
             text = tokenizer.apply_chat_template(
@@ -84,7 +86,9 @@ class ChatTurns:
         if not self.templated:
             return f"{end}{message['content']}\n"
         base = [{"role": "system", "content": ""}]
-        before = self.tokenizer.apply_chat_template(base, tokenize=False)
+        if self._before is None:  # the same for every observation: rendered once
+            self._before = self.tokenizer.apply_chat_template(base, tokenize=False)
+        before = self._before
         after = self.tokenizer.apply_chat_template([*base, message], tokenize=False, add_generation_prompt=True)
         if not after.startswith(before):
             msg = (
@@ -224,6 +228,8 @@ def multi_turn_groups(
             inputs = [list(e.input_ids) for e in active]
             if getattr(generator, "reuses_kv", False):
                 keep["continues"] = [e.kv_row for e in active]
+            if any(e.stop_strings for e in active):  # the back-end stops there; the cut below is exact either way
+                keep["stop_strings"] = [e.stop_strings for e in active]
             out = generator.generate(inputs, group_size=1, seed=step_seed(seed, turn, "turn"), greedy=greedy, **keep)
         for i, e in enumerate(active):
             e.kv_row = i

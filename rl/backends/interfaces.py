@@ -109,7 +109,15 @@ class GenerationBackend(abc.ABC):
         """Step of the weights the engine holds (None before the first load)."""
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        group_size: int,
+        seed: int,
+        greedy: bool = False,
+        stop_strings: list[list[str] | None] | None = None,
+    ) -> Generated:
         """``group_size`` completions of each of the B prompts.
 
         Args:
@@ -117,6 +125,10 @@ class GenerationBackend(abc.ABC):
             group_size: G completions per prompt (1 for validation).
             seed: seeds this call's sampling only (a local generator; per-request seeds in vLLM where they are on).
             greedy: argmax decoding; the logprobs are then those of the unscaled logits.
+            stop_strings: [B] per prompt the strings after which its completions end (the stop string kept, and the
+                completion counted as finished: vLLM's ``stop`` with ``include_stop_str_in_output``), or None. A
+                completion may run past the token that completes a stop string (by up to that token's own tail);
+                the multi-turn loop cuts it there (`rl.multi_turn.cut_at_stop_string`).
 
         Returns:
             :class:`Generated` with N = B * G rows, group-contiguous.

@@ -163,3 +163,26 @@ def test_sigkill_with_buffered_batches_then_resume_is_exact(tmp_path, tiny_model
     for key in ("train/loss", "train/avg_trajectory_age", "train/reward"):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3, 4, 5], key
     assert not list(run_dir.glob("step_*"))
+
+
+MULTI_TURN = {"tasks": {"chain_sum": {"environment": {"class": "tests.unit.rl.test_multi_turn:Parity"}}}}
+"""``env`` overrides of a run whose episodes take 3 turns (scripted; a tiny model earns its rewards)."""
+
+
+@pytest.mark.integration
+def test_multi_turn_episodes_through_the_collector_equal_the_rollout_task_path(tmp_path, tiny_model_dir, monkeypatch):
+    """Multi-turn samples (environment tokens inside each row) collected in the background one step ahead train as
+    those the rollout task generates each step: the same weights, bit for bit, and the same turn counts."""
+    overrides = {
+        "grpo": {"max_num_steps": 3, "val_period": 3, "max_trajectory_age_steps": 1, "max_rollout_turns": 3},
+        "env": MULTI_TURN,
+        **ASYNC,
+    }
+    cfg_task, task = _run(tmp_path / "task", tiny_model_dir, monkeypatch, "off", **overrides)
+    cfg_coll, coll = _run(tmp_path / "coll", tiny_model_dir, monkeypatch, "auto", **overrides)
+    assert metric_steps(cfg_coll.tracking.uri, coll.mlflow_run_id, "timing/rollout/wait") == [1, 2, 3]
+    assert _same(_weights(task), _weights(coll))
+    for key in ("train/loss", "train/reward", "train/environment_tokens", "validation/accuracy"):
+        assert _history(cfg_task, task, key) == _history(cfg_coll, coll, key), key
+    assert _history(cfg_coll, coll, "train/turns_per_sample") == [3.0, 3.0, 3.0]
+    assert _history(cfg_coll, coll, "train/avg_trajectory_age") == [0.0, 1.0, 1.0]

@@ -224,6 +224,26 @@ def test_two_ranks_train_gspo_as_one_rank(tmp_path, tiny_model_dir):
         assert m2[key][0][1] == pytest.approx(m1[key][0][1], rel=1e-4, abs=1e-6), key
 
 
+def test_two_ranks_train_multi_turn_episodes_as_one_rank(tmp_path, tiny_model_dir):
+    """Episodes of 3 turns, whose rows hold environment tokens (token_mask 0) between the assistant's, split over two
+    ranks: the same logprobs per sample and the same update as one rank."""
+    shape = {**STEP_SHAPE, "grpo": {**STEP_SHAPE["grpo"], "max_rollout_turns": 3}}
+    env = {"tasks": {"chain_sum": {"environment": {"class": "tests.unit.rl.test_multi_turn:Parity"}}}}
+    cfg1, cfg2 = (
+        small_config(tmp_path / str(ranks), tiny_model_dir, **shape, env=env, policy={"nproc_per_node": ranks})
+        for ranks in (1, 2)
+    )
+    (run1, _, columns1, weights1), (_, _, columns2, weights2) = _run(cfg1, steps=(1,)), _run(cfg2, steps=(1,))
+    for field in (F.PREV_LOGPROBS, F.REFERENCE_POLICY_LOGPROBS):
+        assert columns1[1][field].keys() == columns2[1][field].keys()
+        for sid, values in columns1[1][field].items():
+            torch.testing.assert_close(columns2[1][field][sid], values, atol=2e-6, rtol=0)
+    w0 = _weights(PolicyVersion(0, run1.start_policy_path))
+    moved = max(float((weights1[1][k] - w0[k]).abs().max()) for k in w0)
+    differs = max(float((weights1[1][k] - weights2[1][k]).abs().max()) for k in w0)
+    assert moved > 5e-4 and differs < 1e-5, (moved, differs)
+
+
 def test_a_rank_that_dies_fails_the_task_clearly_and_the_retry_ends_as_a_clean_run(tmp_path, tiny_model_dir, two_ranks):
     clean_cfg, clean_run, clean_policy, clean_columns, _ = two_ranks
     cfg = _cfg(tmp_path, tiny_model_dir, 2)

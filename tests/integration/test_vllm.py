@@ -156,6 +156,21 @@ def test_greedy_validation_runs_on_the_same_engine(setup):
     assert agree / total >= 0.98  # argmax of the same weights; float32 kernels may split a near-tie
 
 
+def test_a_prompts_stop_strings_end_its_completion_in_the_engine(setup):
+    """vLLM's own ``stop`` (the multi-turn loop's ``next_stop_strings``): the greedy completion ends at the token that
+    completes the stop string, kept, counted as finished; a prompt without stop strings is unchanged."""
+    _, tok, gen, _, _, prompts = setup
+    free = gen.generate(prompts[:2], group_size=1, seed=0, greedy=True)
+    ids = free.response_token_ids[0]
+    stop = tok.decode(ids[6:8])
+    k = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
+    assert k < len(ids) - 1
+    got = gen.generate(prompts[:2], group_size=1, seed=0, greedy=True, stop_strings=[[stop], None])
+    assert got.response_token_ids[0] == ids[: k + 1]
+    assert not bool(got.truncated[0]) and stop in tok.decode(got.response_token_ids[0])
+    assert got.response_token_ids[1] == free.response_token_ids[1]
+
+
 def test_a_step_of_more_prompt_tokens_than_one_forward_takes(setup):
     cfg, tok, gen, _, _, _ = setup
     from rl.data import prompt_token_ids, train_problems

@@ -26,6 +26,7 @@ from rl.backends.hf.sampling import (
 )
 from rl.backends.hf.sdpa import DECODE_PIN, check_pin, pinned
 from rl.backends.hf.static_decode import decode_static, stored_in_compute_dtype
+from rl.backends.hf.stop_strings import StopStrings
 from rl.backends.interfaces import Generated
 from rl.precision import autocast, device_of, on_accelerator, to_device
 
@@ -73,6 +74,7 @@ def generate(
     gqa_decode: bool | None = None,
     kv_in: list[KVRow | None] | None = None,
     kv_out: list[KVRow | None] | None = None,
+    stop_strings: list[list[str] | None] | None = None,
 ) -> Generated:
     """Generate one completion per prompt (repeat a prompt G times, consecutively, for a group).
 
@@ -111,6 +113,9 @@ def generate(
         kv_in: [N] the KV a previous call kept per row (`rl.backends.hf.kv_reuse.KVRow`, or None): a prompt that
             starts with its row's tokens prefills only the rest (the dynamic loop, prompts not in groups).
         kv_out: a list the call appends each row's KV to (None where the static loop ran), for the next call.
+        stop_strings: [N] per prompt the strings that end its completion after the token that completes the first of
+            them (kept in the completion; `rl.backends.hf.stop_strings`), or None. Rows with stop strings run the
+            dynamic loop.
 
     Returns:
         :class:`Generated`, on the host.
@@ -143,6 +148,7 @@ def generate(
     p_lens, r_lens, trunc = [], [], []
     device = device_of(model)
     static = loop != "dynamic" and stored_in_compute_dtype(model, precision) and one_token_masks_apply(model, longest)
+    static = static and not any(stop_strings or ())
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
         gqa = device.type == "cuda" if gqa_decode is None else gqa_decode
@@ -154,7 +160,8 @@ def generate(
             else:
                 kept = None if kv_out is None else [None] * len(chunk)
                 reuse = None if kv_in is None else kv_in[start : start + step]
-                new, lp, lengths, finished = _decode(model, chunk, g, settings, compact_below, reuse, kept)
+                stops = None if stop_strings is None else StopStrings(tokenizer, stop_strings[start : start + step])
+                new, lp, lengths, finished = _decode(model, chunk, g, settings, compact_below, reuse, kept, stops)
         if kv_out is not None:
             kv_out.extend(kept if not static and kept is not None else [None] * len(chunk))
         ids, r_list = new.tolist(), lengths.tolist()
@@ -212,13 +219,15 @@ def _decode(
     compact_below: float,
     kv_in: list[KVRow | None] | None = None,
     kv_out: list[KVRow | None] | None = None,
+    stops: StopStrings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``prompts`` (runs of ``g`` identical ones) on the model's device, with a dynamic KV cache that finished
     rows leave (on an accelerator once at most ``compact_below`` of the batch is open); returns
     :meth:`rl.backends.hf.sampling.Completions.to_host`.
 
     ``kv_in`` ([n], with ``g`` 1): a row whose prompt starts with its entry's tokens prefills only the rest
-    (`rl.backends.hf.kv_reuse`). ``kv_out`` ([n], filled in place): each row's KV of the tokens it fed."""
+    (`rl.backends.hf.kv_reuse`). ``kv_out`` ([n], filled in place): each row's KV of the tokens it fed. ``stops``:
+    the rows' stop strings, checked at each read of the open rows and after the last step."""
     from transformers import DynamicCache
 
     device = device_of(model)
@@ -252,6 +261,8 @@ def _decode(
         cur = ids[:, -1:].repeat_interleave(g, 0)  # [m, 1]
         cur_pos = pos[:, -1:].repeat_interleave(g, 0)  # [m, 1]
         mask = torch.cat([attn.repeat_interleave(g, 0), attn.new_ones(n, t_max)], 1)  # [m, P + T]
+        stops = stops if stops is not None and stops.any else None
+        checked = 0  # tokens 0..checked-1 were checked for stop strings
         for t in range(t_max):
             if not padded and own_mask:  # every key is real: no mask (SDPA's grouped-head kernels, as generate)
                 step_mask = None
@@ -271,6 +282,8 @@ def _decode(
             nxt, lp = next_tokens(head, hidden, head.logits(hidden), settings)
             live = out.record(rows, t, nxt, lp, live)
             if (t + 1) % check_every == 0:
+                if stops is not None:
+                    live, checked = stops.close(out, rows, live, t, checked), t + 1
                 left = int(live.sum())  # waits for the device
                 if left == 0:
                     break
@@ -282,6 +295,8 @@ def _decode(
                     rows, live, nxt, cur_pos, mask = rows[keep], live[keep], nxt[keep], cur_pos[keep], mask[keep]
             cur = nxt[:, None]
             cur_pos = cur_pos + 1
+        if stops is not None and t_max and checked <= t:  # the steps after the last read (t: the last step)
+            stops.close(out, rows, live, t, checked)
         if kv_out is not None:  # the rows still in the batch
             _keep_kv(cache, rows, mask, out.lengths, width, torch.arange(len(rows), device=device), kv_out)
     host = out.to_host()

@@ -58,6 +58,7 @@ class HFGeneration(GenerationBackend):
         greedy: bool = False,
         continues: list[int | None] | None = None,
         keep_kv: bool = False,
+        stop_strings: list[list[str] | None] | None = None,
     ) -> Generated:
         """See :meth:`GenerationBackend.generate`. ``keep_kv``: keep each row's KV cache after the call (until the next
         call or refit); ``continues`` ([len(prompts)], group_size 1): the row of the previous call each prompt
@@ -88,6 +89,7 @@ class HFGeneration(GenerationBackend):
             loop=self._loop(),
             kv_in=kv_in,
             kv_out=kept,
+            stop_strings=None if stop_strings is None else [s for s in stop_strings for _ in range(group_size)],
         )
         self._kv = kept
         return out

@@ -360,18 +360,35 @@ class VLLMGeneration(GenerationBackend):
             self._reload(list(weights), version.step)  # the (name, tensor) pairs now; each cast as vLLM loads it
         self._version = version.step
 
-    def generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool = False) -> Generated:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        group_size: int,
+        seed: int,
+        greedy: bool = False,
+        stop_strings: list[list[str] | None] | None = None,
+    ) -> Generated:
         """See :meth:`GenerationBackend.generate`; the engine stays awake afterwards (:meth:`release_memory` puts it
-        to sleep).
+        to sleep). A prompt with stop strings gets vLLM's own ``stop`` (``include_stop_str_in_output``; its output is
+        detokenized for the check).
 
         Raises:
             RuntimeError: no refit yet, or the weights were discarded by a level-2 sleep (or a failed refit after
                 one) and no refit has loaded them since.
         """
         with self._lock:
-            return self._generate(prompts, group_size=group_size, seed=seed, greedy=greedy)
+            return self._generate(prompts, group_size=group_size, seed=seed, greedy=greedy, stop_strings=stop_strings)
 
-    def _generate(self, prompts: list[list[int]], *, group_size: int, seed: int, greedy: bool) -> Generated:
+    def _generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        group_size: int,
+        seed: int,
+        greedy: bool,
+        stop_strings: list[list[str] | None] | None,
+    ) -> Generated:
         if self._llm is None or self._plan is None:
             msg = "the vLLM generation back-end holds no weights yet: call refit(version) first"
             raise RuntimeError(msg)
@@ -388,6 +405,7 @@ class VLLMGeneration(GenerationBackend):
         g, plan = self._cfg.generation, self._plan
         check_fits([len(p) for p in prompts], g.max_new_tokens, *self._context)  # vLLM would stop them at max_model_len
         eos = int(self._tokenizer.eos_token_id)
+        stops = [[x for x in s or () if x] for s in stop_strings or [None] * len(prompts)]
         params = [
             SamplingParams(
                 n=group_size,
@@ -398,7 +416,9 @@ class VLLMGeneration(GenerationBackend):
                 logprobs=0,  # the sampled token's logprob only
                 ignore_eos=True,  # end on the tokenizer's eos alone, as the transformers back-end does
                 stop_token_ids=[eos],
-                detokenize=False,
+                stop=stops[b] or None,
+                include_stop_str_in_output=True,
+                detokenize=bool(stops[b]),  # vLLM matches stop strings in the detokenized text
             )
             for b in range(len(prompts))
         ]
@@ -423,7 +443,7 @@ class VLLMGeneration(GenerationBackend):
                 rows_prompt.append(prompt)
                 rows_response.append(ids)
                 rows_lp.append([float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)])
-                rows_finished.append(bool(ids) and ids[-1] == eos)
+                rows_finished.append((bool(ids) and ids[-1] == eos) or isinstance(getattr(c, "stop_reason", None), str))
         return Generated.from_rows(rows_prompt, rows_response, rows_lp, rows_finished)
 
     def shutdown(self) -> bool:

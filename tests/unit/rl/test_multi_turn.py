@@ -5,6 +5,7 @@ cause, and that the loss and its gradient never see environment tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -50,6 +51,16 @@ class Echo(EnvironmentInterface):
             terminateds=done[:count],
             answers=[None] * count,
         )
+
+
+class Parity(Echo):
+    """:class:`Echo` rewarding a turn 1 when the reply has an even number of characters, else 0: a tiny random model's
+    groups mix rewards, so its updates move the policy (the async and data-parallel tests)."""
+
+    def step(self, message_log_batch, metadata):  # noqa: ANN001, ANN201
+        ret = super().step(message_log_batch, metadata)
+        even = [float(len(log[-1]["content"]) % 2 == 0) for log in message_log_batch]
+        return dataclasses.replace(ret, rewards={"turn": torch.tensor(even)})
 
 
 @pytest.fixture(scope="module")
@@ -233,8 +244,8 @@ class _NoReuse:
     def __init__(self, inner) -> None:  # noqa: ANN001
         self.inner = inner
 
-    def generate(self, prompts, *, group_size, seed, greedy=False):  # noqa: ANN001, ANN201
-        return self.inner.generate(prompts, group_size=group_size, seed=seed, greedy=greedy)
+    def generate(self, prompts, *, group_size, seed, greedy=False, stop_strings=None):  # noqa: ANN001, ANN201
+        return self.inner.generate(prompts, group_size=group_size, seed=seed, greedy=greedy, stop_strings=stop_strings)
 
 
 def test_a_turn_reuses_the_kv_of_the_turns_before_it_and_gets_the_same_episodes(gen, monkeypatch):
