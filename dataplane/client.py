@@ -55,13 +55,16 @@ class DataPlane:
     A write is one immutable Parquet file (``sample_id`` + the written columns) that becomes visible
     only when its commit record (``_commits/{write_id}.json``, written last and atomically) exists. The
     record names the file, its size and CRC-32, and every read verifies them. A write id is a hash of the
-    field names and sample ids, so a retried task that rewrites the same columns replaces its commit and
+    write's kind (put or delta write), field names and sample ids, so a retried task that rewrites the same columns
+    replaces its commit (and a delta write never a put's) and
     leaves exactly one visible copy; writes of different fields never touch the same object, so concurrent
     writers both land. No write deletes a data file: two attempts of the same write (a retry beside a
     zombie) may both commit, the last record wins, and the file it names is always there. The losers' files
     are orphans, removed by :meth:`collect_garbage` once older than its grace period (and with the partition by
     :meth:`clear`); a writer commits within ``COMMIT_DEADLINE_S`` of its upload or not at all, and checks after
-    committing that its file is there, so no collection removes a write that returns.
+    committing that no collection has claimed or removed its file (``dataplane.gc``: a collection claims what it will
+    remove before its last read of the commit records), so no collection removes a write that returns, whatever the
+    pauses of either.
 
     A put records its rows' ids and ``input_lengths``; the meta it returns names it (``KVBatchMeta.puts``). Later
     writes check per-token fields against the stored lengths, and reads and writes under a meta whose rows were put
@@ -191,9 +194,12 @@ class DataPlane:
         taken on the store's own clock (the modification time of a probe object written first, so a skewed task
         clock does not matter), and a writer never commits more than :data:`COMMIT_DEADLINE_S` after its upload
         started: a file at least ``grace_s`` old that no record named when it was listed belongs to no write that can
-        still commit, as long as ``grace_s`` exceeds that deadline. Objects whose store reports no modification time
-        are kept. Orphans younger than ``grace_s`` stay until a later collection; a step's partition goes whole when
-        its train task clears it.
+        still commit, as long as ``grace_s`` exceeds that deadline. That argument needs sane clocks; what does not is
+        the claim protocol of ``dataplane.gc``: each file is claimed, the records are read again, only files they
+        still do not name are removed, and a writer that finds its file claimed or removed after its commit commits a
+        copy or uploads it again before it returns. Objects whose store reports no modification time are kept.
+        Orphans younger than ``grace_s`` stay until a later collection; a step's partition goes whole when its train
+        task clears it.
 
         Args:
             grace_s: minimum age (s) of what is removed (default :data:`GC_GRACE_S`, one hour). Smaller values are
@@ -280,8 +286,8 @@ class DataPlane:
     ) -> KVBatchMeta:
         """Delta write: add ``columns`` under the existing ids of ``meta`` (one row per id, same order).
 
-        Everything is checked before anything is written: the ids were put in this partition (by the put that
-        ``meta.puts`` names, if it names one), row counts, registered fields and dtypes, per-token fields jagged with
+        Everything is checked before anything is written: the ids were put in this partition (by the puts that
+        ``meta.puts`` names), row counts, registered fields and dtypes, per-token fields jagged with
         the rows' lengths as stored by their put (the partition's ``input_lengths``; ``meta.sequence_lengths`` only
         where the partition has none, and a meta whose ``sequence_lengths`` differ from the stored ones is refused),
         and each field's Arrow type against its earlier writes. A delta write of ``input_lengths`` itself must repeat
@@ -291,8 +297,9 @@ class DataPlane:
             ``meta`` with the written fields added to ``fields``.
 
         Raises:
-            ValueError: unknown sample ids, a row count, dtype, shape or length mismatch, an unregistered field, or
-                ``meta.sequence_lengths`` that differ from the stored ``input_lengths`` (an altered meta).
+            ValueError: unknown sample ids, a row count, dtype, shape or length mismatch, an unregistered field,
+                ``meta.sequence_lengths`` that differ from the stored ``input_lengths`` (an altered meta), or a meta
+                whose ``puts`` is None (see :meth:`meta_for`).
             StaleMetaError: (a ``DataPlaneError``) rows of ``meta`` were put again, with other content, since.
             DataPlaneError: the partition does not exist.
             TimeoutError, IntegrityError: as for :meth:`put`.
@@ -330,20 +337,20 @@ class DataPlane:
             arrow_fields.append(f)
             arrays.append(arr)
         table = pa.Table.from_arrays(arrays, schema=pa.schema(arrow_fields))
-        write_id = commits.write_id(list(columns), meta.sample_ids)
+        write_id = commits.write_id(list(columns), meta.sample_ids, put=is_put)
         file_name = commits.new_file_name(write_id)
         data = paths.data_path(part, file_name)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, **_parquet_options(table.schema))
         blob = sink.getvalue()  # [bytes] the whole file, hashed once and sent in one PUT
 
-        def upload() -> None:
+        def upload(path: str) -> None:
             if self._local:  # object stores have no folders (s3fs would HEAD the bucket on every write)
-                self.fs.makedirs(data.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.pipe_file(data, memoryview(blob) if self._local else blob.to_pybytes())
+                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(path, memoryview(blob) if self._local else blob.to_pybytes())
 
         started = time.monotonic()  # before the upload: a store dates an object no earlier than its upload's start
-        self._io(f"write {data}", upload)
+        self._io(f"write {data}", lambda: upload(data))
         crc32 = checksum(memoryview(blob))
         record = commits.new_record(
             write_id=write_id,
@@ -367,7 +374,7 @@ class DataPlane:
             )
             raise TimeoutError(msg)
         self._put_atomic(paths.commit_path(part, write_id), commits.encode(record))
-        self._check_landed(data, upload, write_id, sorted(columns))
+        self._check_landed(part, record, upload, sorted(columns))
         written = list(dict.fromkeys([*(meta.fields or []), *columns]))
         return KVBatchMeta(
             partition_id=meta.partition_id,
@@ -380,24 +387,41 @@ class DataPlane:
             puts=[f"{write_id}:{crc32}"] if is_put else (None if meta.puts is None else list(meta.puts)),
         )
 
-    def _check_landed(self, data: str, upload: Any, write_id: str, fields: list[str]) -> None:
-        """After a commit: make sure the data file it names is there. A garbage collection run with a grace period
-        shorter than this write took may have removed it between the upload and the commit: upload the same bytes
-        again (the record's size and checksum still hold) and check once more.
+    def _check_landed(self, part: str, record: dict[str, Any], upload: Any, fields: list[str]) -> None:
+        """After a commit: make sure that no garbage collection removes, or has removed, the data file it names
+        (``dataplane.gc``: a collection claims a file before its last read of the commit records, and withdraws the
+        claim after removing the file). A claimed file: upload the same bytes under a new name and commit that instead
+        (the claim's collection may remove the old name whatever it read); a removed one: upload it again. Then check
+        once more. ``upload(path)`` writes the write's bytes to ``path``.
 
         Raises:
-            IntegrityError: the file is gone again after the second upload (the write is lost; never returned as done).
+            IntegrityError: the file is claimed or gone again after the second upload (the write is lost; never
+                returned as done).
         """
-        if self._io(f"check {data}", lambda: self.fs.exists(data)):
-            return
-        self._io(f"write {data}", upload)
-        if not self._io(f"check {data}", lambda: self.fs.exists(data)):
-            msg = (
-                f"data plane write {write_id} of {fields}: its data file {data} was removed after the upload, twice (a "
-                f"collect_garbage with a grace period shorter than a write, beside this writer?); the write is lost: "
-                f"retry it, and collect garbage with the default grace period (GC_GRACE_S = {GC_GRACE_S:.0f} s)"
-            )
-            raise IntegrityError(msg)
+        write_id = record["write_id"]
+        for attempt in range(2):
+            data = paths.join(part, record["file"])
+            if gc.claims_on(self.fs, data, self._io):  # first the claims, then the file (see dataplane.gc)
+                if attempt:
+                    break
+                name = commits.new_file_name(write_id)
+                copy = paths.data_path(part, name)
+                self._io(f"write {copy}", lambda copy=copy: upload(copy))
+                record = {**record, "file": f"data/{name}.parquet"}  # same bytes: same size and checksum
+                self._put_atomic(paths.commit_path(part, write_id), commits.encode(record))
+            elif self._io(f"check {data}", lambda data=data: self.fs.exists(data)):
+                return
+            elif attempt:
+                break
+            else:
+                self._io(f"write {data}", lambda data=data: upload(data))
+        msg = (
+            f"data plane write {write_id} of {fields}: its data file {data} was removed after the upload, twice (or "
+            "claimed for removal: a collect_garbage with a grace period shorter than a write, beside this writer?); "
+            f"the write is lost: retry it, and collect garbage with the default grace period (GC_GRACE_S = "
+            f"{GC_GRACE_S:.0f} s)"
+        )
+        raise IntegrityError(msg)
 
     def _check_put(self, snap: Snapshot, meta: KVBatchMeta) -> None:
         """ValueError unless every id of ``meta`` was minted by a put of this partition; and what
@@ -419,24 +443,31 @@ class DataPlane:
 
         Raises:
             StaleMetaError: a row was put again, with other content, since the put that ``meta.puts`` names.
-            ValueError: ``meta.sequence_lengths`` differ from the rows' stored ``input_lengths`` (an altered meta).
+            ValueError: ``meta.puts`` is None (nothing to check the rows against), or ``meta.sequence_lengths``
+                differ from the rows' stored ``input_lengths`` (an altered meta).
         """
-        if meta.puts is None and meta.sequence_lengths is None:
-            return
+        if meta.puts is None:
+            msg = (
+                f"partition {meta.partition_id!r} of run {self.run_id!r}: the meta of rows {meta.sample_ids[:3]} names "
+                "no put (KVBatchMeta.puts is None: a meta made by hand, or before metas named their puts), so whether "
+                "its rows were put again since, with other content, cannot be checked; use the meta that the put (or "
+                "a delta write after it) returned, or make one for the rows as they are now with "
+                "DataPlane.meta_for(partition_id, sample_ids)"
+            )
+            raise ValueError(msg)
         keys, lengths = snap.put_rows()
-        if meta.puts is not None:
-            mine = set(meta.puts)
-            stale = [s for s in meta.sample_ids if s in keys and keys[s] not in mine]
-            if stale:
-                newer = sorted({keys[s] for s in stale})
-                msg = (
-                    f"stale meta: partition {meta.partition_id!r} of run {self.run_id!r}: rows {stale[:3]} "
-                    f"({len(stale)} of {meta.size()}) were put again with other content (put {newer[:2]}) after the "
-                    f"put this meta came from ({meta.puts[:2]}), e.g. after a clear and a re-put with the same "
-                    "id_key; reading or writing under it would mix two batches: use the meta that the latest put "
-                    "returned, or re-run the task that made this one"
-                )
-                raise StaleMetaError(msg)
+        mine = set(meta.puts)
+        stale = [s for s in meta.sample_ids if s in keys and keys[s] not in mine]
+        if stale:
+            newer = sorted({keys[s] for s in stale})
+            msg = (
+                f"stale meta: partition {meta.partition_id!r} of run {self.run_id!r}: rows {stale[:3]} "
+                f"({len(stale)} of {meta.size()}) were put again with other content (put {newer[:2]}) after the "
+                f"put this meta came from ({meta.puts[:2]}), e.g. after a clear and a re-put with the same "
+                "id_key; reading or writing under it would mix two batches: use the meta that the latest put "
+                "returned, or re-run the task that made this one"
+            )
+            raise StaleMetaError(msg)
         if meta.sequence_lengths is not None:
             bad = [
                 i
@@ -452,6 +483,34 @@ class DataPlane:
                     "the meta the put returned"
                 )
                 raise ValueError(msg)
+
+    def meta_for(self, partition_id: str, sample_ids: Sequence[str], *, task_name: str | None = None) -> KVBatchMeta:
+        """A meta for rows that puts of ``partition_id`` minted, as they are now: ``puts`` names the puts that last
+        wrote them, ``sequence_lengths`` are the ``input_lengths`` those stored (None when one stored none) and
+        ``fields`` is None (unknown). For rows whose ids are known but whose meta is not (lost, or made before metas
+        named their puts): reads and writes under it raise ``StaleMetaError`` once its rows are put again.
+
+        Raises:
+            DataPlaneError: the partition does not exist.
+            ValueError: an id that no put of the partition minted, or an id given twice.
+        """
+        snap = self._snapshot(self._part(partition_id), partition_id)
+        keys, lengths = snap.put_rows()
+        ids = list(sample_ids)
+        unknown = [s for s in ids if s not in keys]
+        if unknown:
+            msg = (
+                f"partition {partition_id!r} of run {self.run_id!r}: sample ids {unknown[:3]} were never put "
+                f"({len(unknown)} of {len(ids)}); give ids that a put of this partition returned"
+            )
+            raise ValueError(msg)
+        return KVBatchMeta(
+            partition_id=partition_id,
+            sample_ids=ids,
+            task_name=task_name,
+            sequence_lengths=[lengths[s] for s in ids] if all(s in lengths for s in ids) else None,
+            puts=sorted({keys[s] for s in ids}),
+        )
 
     def _stored_lengths(self, snap: Snapshot, meta: KVBatchMeta, *, writes_tokens: bool) -> list[int] | None:
         """The token lengths of ``meta``'s rows that per-token fields must have: the ``input_lengths`` their puts
@@ -520,7 +579,8 @@ class DataPlane:
                 message names the partition, the field and the ids.
             StaleMetaError: (a ``DataPlaneError``) rows of ``meta`` were put again, with other content, after the put
                 that ``meta.puts`` names (a clear and a re-put with the same ``id_key``).
-            ValueError: also when ``meta.sequence_lengths`` differ from the ``input_lengths`` the rows' put stored.
+            ValueError: also when ``meta.sequence_lengths`` differ from the ``input_lengths`` the rows' put stored,
+                or ``meta.puts`` is None (its rows cannot be checked: see :meth:`meta_for`).
             IntegrityError: a committed data file is missing, fails its checksum or cannot be decoded; the
                 message names the file.
         """

@@ -4,8 +4,8 @@ and parsed, and how one listing of a partition reads all of its records (:class:
 A write is one immutable Parquet file ``data/{write_id}-{8 hex}.parquet`` that becomes visible only when its commit
 record ``_commits/{write_id}.json`` exists (``dataplane.paths.commit_path``). The record is one JSON object:
 
-- ``write_id`` (str): :func:`write_id` of the written fields and sample ids; a retry of the same write has the same id
-  and replaces the record;
+- ``write_id`` (str): :func:`write_id` of the write's kind (put or delta write), fields and sample ids; a retry of the
+  same write has the same id and replaces the record, and no delta write replaces a put's;
 - ``file`` (str): the data file, relative to the partition (matches :data:`DATA_FILE`);
 - ``size`` (int, bytes) and ``crc32`` (str, 8 hex digits, :func:`checksum`) of the data file: every read checks them;
 - ``fields`` (name -> dtype name) and ``arrow_types`` (name -> Arrow type string) of the written columns;
@@ -53,9 +53,13 @@ def checksum(data: Any) -> str:
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
-def write_id(fields: Sequence[str], sample_ids: Sequence[str]) -> str:
-    """Deterministic id of a write: the same fields for the same rows (a retry) map to the same commit."""
+def write_id(fields: Sequence[str], sample_ids: Sequence[str], *, put: bool) -> str:
+    """Deterministic id of a write (32 hex digits of a SHA-256): the same kind of write of the same fields for the same
+    rows (a retry) maps to the same commit; a delta write never maps to a put's commit, whatever its fields (it would
+    replace the record that holds the rows' ids and lengths). A put's id is the hash of its fields and ids alone."""
     digest = hashlib.sha256()
+    if not put:
+        digest.update(b"\0delta\0")  # no field name is empty: no put's hash starts so
     digest.update("\n".join(sorted(fields)).encode())
     digest.update(b"\0")
     digest.update("\n".join(sample_ids).encode())

@@ -1,6 +1,16 @@
 """Garbage collection of a run's data plane: data files that no commit record names, and what interrupted writes
 left, once older than a grace period on the store's own clock. ``DataPlane.collect_garbage`` is the entry point;
 this module holds no client state (the caller passes its filesystem, retry wrapper and commit-record reader).
+
+Removal beside writers, without relying on clocks: a collection *claims* each data file it means to remove (an empty
+object ``{partition}/_gc/{file stem}.{collection id}``, :func:`claim_path`) before it reads the commit records again,
+removes only the files that those records still do not name, then withdraws its claims. A writer, after writing its
+commit record, looks for claims on its file (:func:`claims_on`) before it checks that the file is there. Whatever the
+pauses of either party, one of them sees the other (a collection that reads the records before the commit wrote its
+claim before that, and keeps it until after its removal): either the collection sees the commit and keeps the file,
+or the writer sees the claim (and commits a copy under a new name), or the writer sees the file gone (the claim
+withdrawn after the removal) and uploads it again. A claim left by a collection killed midway stays until its
+partition is cleared; it only ever makes a writer of that file commit a copy.
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ upload started has missed that deadline and does not commit."""
 
 LEFTOVER_MARKS = (".tmp-", ".old-")
 """Name parts of temporary objects that an interrupted write leaves (commit temps, checkpoint staging folders)."""
+
+CLAIMS_DIR = "_gc"
+"""Folder of a partition that holds the claims of collections in progress (see the module docstring)."""
 
 
 def collect_garbage(
@@ -89,7 +102,7 @@ def collect_garbage(
             continue
         named = {paths.join(part, c["file"]) for c in commits}
         candidates = [p for p in names if p.startswith(part + "/data/") and p.endswith(".parquet") and p not in named]
-        orphans += [p for p in candidates if old_enough([p])]
+        orphans += remove_unnamed(fs, part, [p for p in candidates if old_enough([p])], io=io, commits_of=commits_of)
     if unknown:
         warnings.warn(
             f"data plane: collect_garbage kept {len(unknown)} objects whose store reports no modification time "
@@ -97,9 +110,67 @@ def collect_garbage(
             DataPlaneWarning,
             stacklevel=3,
         )
-    for path in [*orphans, *temps]:
+    for path in temps:
         io(f"delete {path}", lambda path=path: rm_quiet(fs, path))
     return {"orphan_data_files": len(orphans), "temp_files": len(temps)}
+
+
+def remove_unnamed(
+    fs: Any,
+    part: str,
+    candidates: Sequence[str],
+    *,
+    io: Callable[[str, Callable[[], Any]], Any],
+    commits_of: Callable[[str], Sequence[Mapping[str, Any]] | None],
+) -> list[str]:
+    """Remove those of ``candidates`` (data files of partition folder ``part``) that no commit record names, safely
+    beside writers: claim them all, read the commit records again, remove the files still unnamed, then withdraw the
+    claims (also when a step fails). See the module docstring for why no write that returns loses its file.
+
+    Returns:
+        the files removed.
+    """
+    if not candidates:
+        return []
+    claims = [claim_path(p, uuid.uuid4().hex) for p in candidates]
+    removed: list[str] = []
+    try:
+        for claim in claims:
+            io(f"write {claim}", lambda claim=claim: _touch(fs, claim))
+        commits = commits_of(part)  # after the claims: a commit not seen here sees a claim
+        named = set() if commits is None else {paths.join(part, c["file"]) for c in commits}
+        for path in candidates:
+            if path not in named:
+                io(f"delete {path}", lambda path=path: rm_quiet(fs, path))
+                removed.append(path)
+    finally:  # after the removals: a writer that finds no claim then finds its file gone, if it was removed
+        for claim in claims:
+            io(f"delete {claim}", lambda claim=claim: rm_quiet(fs, claim))
+    return removed
+
+
+def claim_path(data: str, collection: str) -> str:
+    """The claim of collection ``collection`` (hex id) on data file ``data`` (``{partition}/data/{stem}.parquet``):
+    ``{partition}/_gc/{stem}.{collection}``."""
+    folder, name = data.rsplit("/", 1)
+    return paths.join(folder.rsplit("/", 1)[0], CLAIMS_DIR, f"{name.removesuffix('.parquet')}.{collection}")
+
+
+def claims_on(fs: Any, data: str, io: Callable[[str, Callable[[], Any]], Any]) -> list[str]:
+    """The claims of collections in progress on data file ``data`` (one prefix listing; [] when there are none)."""
+    folder, stem = claim_path(data, "").rsplit("/", 1)  # stem: "{data file stem}."
+    try:  # prefix: one LIST on an object store; stores that ignore it list the folder (usually absent)
+        found = io(f"list {folder}", lambda: fs.find(folder, prefix=stem))
+    except FileNotFoundError:
+        return []
+    return [p for p in found if p.rsplit("/", 1)[-1].startswith(stem)]
+
+
+def _touch(fs: Any, path: str) -> None:
+    """Write an empty object at ``path`` (its folder made first on a local filesystem)."""
+    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, b"")
 
 
 def store_now(fs: Any, run: str, io: Callable[[str, Callable[[], Any]], Any]) -> float:

@@ -30,8 +30,10 @@ class KVBatchMeta:
             ``pad_to_multiple``, ``global_forward_pad_seqlen``.
         tags: per-row numeric sidecar aligned with ``sample_ids`` (e.g. ``baseline``, ``std``).
         puts: the puts that wrote these rows, each ``"{write_id}:{crc32}"`` (the put's write id and the CRC-32 of
-            its data file, see ``DataPlane.put``), or None (a meta built by hand: not checked). Reads and delta
-            writes under the meta fail with ``StaleMetaError`` when a row was since put again with other content
+            its data file, see ``DataPlane.put``), or None (a meta built by hand: ``DataPlane`` reads and delta
+            writes refuse it, since its rows cannot be checked; ``DataPlane.meta_for`` makes a meta for rows by their
+            ids). Reads and delta writes under the meta fail with ``StaleMetaError`` when a row was since put again
+            with other content
             (``clear`` and a re-put with the same ``id_key``, a retried put that sampled other rows). A retry that
             wrote the same bytes is the same put: the meta stays valid.
     """

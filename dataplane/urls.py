@@ -1,21 +1,27 @@
 """URL hygiene for the data plane root and other configured URLs: `check_root` refuses roots that fsspec
 would silently read as something else (``s3:/bucket`` is a local folder ``s3:``), `redact` hides credentials
-before a URL is logged, and `is_secret_key` tells option names that hold credentials. Pure functions, no I/O.
+before a URL is logged (`redact_json` in a whole JSON value, by key name too), `credential_parts` says what in a
+value is a credential, and `is_secret_key` tells option names that hold credentials. Pure functions, no I/O.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
-__all__ = ["check_root", "has_userinfo", "is_secret_key", "redact"]
+__all__ = ["check_root", "credential_parts", "has_userinfo", "is_secret_key", "redact", "redact_json"]
 
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*"
 # `scheme://userinfo@`: the userinfo runs to the last '@' of the authority (it ends at the first '/', '?' or '#').
 # A URL inside a message ends at whitespace or a quote: neither appears unencoded in a URL (RFC 3986).
 _USERINFO = re.compile(rf"(?P<scheme>{_SCHEME}://)(?P<userinfo>[^/?#\s'\"]*@)")
-# a secret-named query parameter: `?password=...`, `&X-Amz-Signature=...`
-_QUERY_PARAM = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;#\s'\"]+)=(?P<value>[^&;#\s'\"]*)")
+# `user:password@host/...` without a scheme (an image reference such as `alice:pw@ghcr.io/acme/img:v1`): at the start
+# of the string or of a word, a colon in the userinfo, and a host that a '/' ends (`img:tag@sha256:...` is no userinfo).
+_BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,\[])(?P<userinfo>[^/@\s:'\"(=,\[]+:[^/@\s'\"]*@)(?=[^/@\s'\"]+/)")
+# a secret-named parameter of a query or a connection string: `?password=...`, `&X-Amz-Signature=...`,
+# `;AccountKey=...`
+_QUERY_PARAM = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;#\s'\"?]+)=(?P<value>[^&;#\s'\"]*)")
 _LOCAL = frozenset({"file", "local"})
 _COMMON = ("s3", "gs", "gcs", "az", "abfs", "file", "memory", "http", "https", "sftp")
 
@@ -64,35 +70,74 @@ def is_secret_key(name: str) -> bool:
 
 
 def has_userinfo(url: str) -> bool:
-    """Whether ``url`` carries credentials in its authority (``scheme://user:password@host``).
+    """Whether ``url`` carries credentials in its authority: ``scheme://user:password@host``, or
+    ``user:password@host/...`` without a scheme (an image reference).
 
     Args:
-        url: any string; only ``scheme://...@`` parts count.
+        url: any string; only ``scheme://...@`` parts and ``user:password@host/`` at the start of a word count.
     """
-    return _USERINFO.search(url) is not None
+    return _USERINFO.search(url) is not None or _BARE_USERINFO.search(url) is not None
+
+
+def _secret_params(text: str) -> list[str]:
+    """Names of the secret-named parameters with a value in ``text`` (``?token=abc``, ``;AccountKey=abc``)."""
+    return [m["name"] for m in _QUERY_PARAM.finditer(text) if m["value"] and is_secret_key(m["name"])]
+
+
+def credential_parts(text: str) -> list[str]:
+    """What in ``text`` (a URL, a connection string, an image reference) holds credentials, in words: ``a
+    user:password@ part``, ``the parameter 'X-Amz-Signature'``; empty when nothing does.
+
+    Args:
+        text: any string.
+
+    Returns:
+        One phrase per credential found, userinfo first, then each secret-named parameter (`is_secret_key`) of a
+        query (``?``, ``&``) or connection string (``;``) that has a value, in order.
+    """
+    found = ["a user:password@ part"] if has_userinfo(text) else []
+    return found + [f"the parameter {name!r}" for name in _secret_params(text)]
 
 
 def redact(url: str) -> str:
-    """``url`` safe to log: the userinfo of every ``scheme://userinfo@host`` replaced by ``***``, and the values of
-    secret-named query parameters (``?password=...``, ``&X-Amz-Signature=...``) by ``***``.
+    """``url`` safe to log: the userinfo of every ``scheme://userinfo@host`` (and of ``user:password@host/...``
+    without a scheme, as image references write it) replaced by ``***``, and the values of secret-named parameters of
+    a query or connection string (``?password=...``, ``&X-Amz-Signature=...``, ``;AccountKey=...``) by ``***``.
 
-    ``http://alice:s3cret@host:5000/x`` -> ``http://***@host:5000/x``; URLs without credentials, local paths and
-    ``sqlite:///...`` come back unchanged.
+    ``http://alice:s3cret@host:5000/x`` -> ``http://***@host:5000/x``; ``alice:pw@ghcr.io/acme/img:v1`` ->
+    ``***@ghcr.io/acme/img:v1``; URLs without credentials, local paths and ``sqlite:///...`` come back unchanged.
 
     Args:
-        url: a URL or a path.
+        url: a URL, a path, or a message quoting them.
 
     Returns:
         The redacted string.
     """
     out = _USERINFO.sub(lambda m: f"{m['scheme']}***@", url)
-    if "?" in out:
-        head, _, tail = out.partition("?")
-        tail = _QUERY_PARAM.sub(
-            lambda m: f"{m['lead']}{m['name']}=***" if is_secret_key(m["name"]) else m[0], "?" + tail
-        )
-        out = head + tail
-    return out
+    out = _BARE_USERINFO.sub("***@", out)
+    return _QUERY_PARAM.sub(lambda m: f"{m['lead']}{m['name']}=***" if is_secret_key(m["name"]) else m[0], out)
+
+
+def redact_json(value: Any, *, secret: bool = False) -> Any:
+    """A JSON value (mappings, lists, scalars) safe to log: every string under a secret-named key (`is_secret_key`,
+    at any depth: ``{"dataset_kwargs": {"token": "hf_x"}}``, ``{"headers": {"Authorization": "Bearer x"}}``)
+    replaced by ``"***"``, every other string passed through `redact`. Numbers, booleans and null stay (``max_tokens:
+    64`` is no credential).
+
+    Args:
+        value: the value; not modified.
+        secret: ``value`` sits under a secret-named key already.
+
+    Returns:
+        A redacted copy (lists and tuples become lists).
+    """
+    if isinstance(value, dict):
+        return {k: redact_json(v, secret=secret or is_secret_key(str(k))) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_json(v, secret=secret) for v in value]
+    if isinstance(value, str):
+        return "***" if secret else redact(value)
+    return value
 
 
 def _known() -> set[str]:

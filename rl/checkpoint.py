@@ -21,11 +21,13 @@ the manifest's format is `rl.manifest`'s, the trainer state's files `rl.trainer_
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import re
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -56,6 +58,9 @@ SERVING_DTYPES = ("bfloat16",)
 tokenizer, safetensors): the copy that generation pods load where they compute in that dtype (half the bytes of the
 float32 master; the same values, since they cast the master to it anyway). The trainer reads only the root."""
 _STEP = re.compile(r"step_(\d+)")
+_COPIES: set[str] = set()
+"""The temporary folders :func:`local_copy` made in this process that are not removed yet (:func:`remove_copy`)."""
+_COPIES_LOCK = threading.Lock()
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -332,7 +337,8 @@ def local_copy(
             checkpoint has one (see :func:`save`'s ``serving_dtype``), else the float32 root without trainer state.
 
     Returns:
-        the local folder's path.
+        the local folder's path. A temporary copy is the caller's to remove (:func:`remove_copy`, or use
+        :func:`local_folder`); one still there when the process exits is removed then.
 
     Raises:
         dataplane.errors.IntegrityError: ``require_complete`` and no marker; an empty or malformed marker; a listed
@@ -362,7 +368,7 @@ def local_copy(
             return str(folder)
         rels = list(manifest["files"])
     source = f"{path}/{sub}" if sub else path
-    target = Path(tempfile.mkdtemp(prefix="grpoflow-ckpt-"))
+    target = _temporary_copy()
     try:
         for rel in rels:
             dest = target / rel
@@ -381,9 +387,38 @@ def local_copy(
                 verify_folder(target, manifest, f"checkpoint {url}")
             (target / COMPLETE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     except BaseException:
-        shutil.rmtree(target, ignore_errors=True)
+        remove_copy(str(target))
         raise
     return str(target)
+
+
+def _temporary_copy() -> Path:
+    """A new folder ``$TMPDIR/grpoflow-ckpt-*`` for :func:`local_copy`, removed at the latest when this process exits
+    (``atexit``: also after ``KeyboardInterrupt``, or SIGTERM where a handler turns it into an exception, as a local
+    run's does: ``tasks.failure.watch_interrupts``)."""
+    target = tempfile.mkdtemp(prefix="grpoflow-ckpt-")
+    with _COPIES_LOCK:
+        if not _COPIES:
+            atexit.unregister(_remove_copies)
+            atexit.register(_remove_copies)
+        _COPIES.add(target)
+    return Path(target)
+
+
+def remove_copy(folder: str) -> None:
+    """Remove a temporary folder of :func:`local_copy` (a no-op where it is gone already)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with _COPIES_LOCK:
+        _COPIES.discard(folder)
+
+
+def _remove_copies() -> None:
+    """Remove every temporary copy this process still has (at exit: a back-end that keeps reading its copy, such as a
+    vLLM engine's model folder, keeps it until then)."""
+    with _COPIES_LOCK:
+        left = sorted(_COPIES)
+    for folder in left:
+        remove_copy(folder)
 
 
 @contextlib.contextmanager
@@ -409,7 +444,7 @@ def local_folder(url: str, storage_options: dict[str, Any] | None = None, **opti
         yield folder
     finally:
         if copied:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_copy(folder)
 
 
 def list_complete(url: str, storage_options: dict[str, Any] | None = None) -> list[tuple[int, str]]:

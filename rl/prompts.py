@@ -16,6 +16,7 @@ from dataplane import paths
 from dataplane.urls import check_root, redact
 from rl.config import GRPOConfig
 from rl.data import Problem, prompt_token_ids, train_problems, val_problems
+from rl.lengths import MODEL_LIMIT
 
 
 class PromptSource(Protocol):
@@ -169,6 +170,8 @@ def fits_checker(tokenizer: Any, cfg: GRPOConfig, max_prompt_tokens: int) -> Cal
     bytes plus the template's own tokens (and a margin of 8 for merges at its edges) fit is accepted without being
     tokenized: only long prompts are rendered, and checking a large dataset of short prompts costs a pass over its
     text. The back-ends check every prompt they are given again (:func:`rl.lengths.check_fits`).
+    ``fits.explain(problem)`` says why a prompt does not fit: its tokens, the limit
+    (``generation.vllm_cfg.max_model_len`` where it is the one) and the fixes.
     """
     d = cfg.data
     empty = Problem(question="", answer="", entry={})
@@ -191,6 +194,25 @@ def fits_checker(tokenizer: Any, cfg: GRPOConfig, max_prompt_tokens: int) -> Cal
             out.append(len(ids) <= max_prompt_tokens)
         return out
 
+    g = cfg.generation
+    context = max_prompt_tokens + g.max_new_tokens
+    vllm_limit = g.backend == "vllm" and context == g.vllm_cfg.max_model_len
+    limit_name = "generation.vllm_cfg.max_model_len" if vllm_limit else MODEL_LIMIT
+
+    def explain(problem: Problem) -> str:
+        n = len(
+            render_prompt(tokenizer, problem, system_prompt=d.system_prompt, apply_chat_template=d.apply_chat_template)
+        )
+        fixes = [f"raise {limit_name} to at least {n + g.max_new_tokens}"] if vllm_limit else []
+        fixes += [f"lower generation.max_new_tokens to at most {context - n}"] if context - n >= 1 else []
+        fixes += ["shorten the prompt" + ("" if vllm_limit else " (or use a model with a longer context)")]
+        return (
+            f"the prompt has {n} tokens, which with generation.max_new_tokens={g.max_new_tokens} is more than the "
+            f"{context} tokens of {limit_name}; {', '.join(fixes)}, or set data.on_overlong_prompt: skip to drop "
+            "such prompts"
+        )
+
+    fits.explain = explain  # type: ignore[attr-defined]  # the refusal's message (rl.datasets.prepare)
     return fits
 
 

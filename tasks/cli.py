@@ -10,13 +10,15 @@ import json
 import sys
 from typing import Any
 
-from dataplane.urls import redact
+from dataplane.urls import redact, redact_json
 from rl.config import GRPOConfig, config_from_dict
 from rl.config.checks import usage_error
 from rl.config.descriptions import field_docs, one_line
 from rl.config.loading import read_config_source
 
 _RUN_MODULE = "flytekit.clis.sdk_in_container.run"
+RUN_COMMAND = "pyflyte run workflows/grpo.py grpo"
+"""The command that runs the ``grpo`` workflow locally (README: Quick start); :func:`run_command` extends it."""
 
 
 def install_config_options() -> None:
@@ -79,6 +81,27 @@ def config_help(root: type[GRPOConfig], description: str = "", default: Any = No
         *([f"Default here (the keys it changes): {redact(json.dumps(changed))}"] if changed else []),
     ]
     return "\n\n".join(paragraphs).strip()
+
+
+def run_command(cfg: GRPOConfig, *, resume_run_id: str | None = None) -> str:
+    """The command that runs the ``grpo`` workflow locally with the settings of ``cfg``: ``pyflyte run
+    workflows/grpo.py grpo --cfg '<json>'``, the JSON holding the keys in which ``cfg`` differs from its class's
+    defaults (:func:`changed_keys`), plus ``checkpointing.resume_run_id`` when given (README: Resume: the run then
+    continues from its newest complete checkpoint).
+
+    Credentials are redacted (`dataplane.urls.redact_json`: URLs' userinfo, strings under secret-named keys such as
+    ``dataplane.storage_options.secret``): a run that had any needs them given again in place of ``***``. A single
+    quote inside a value is escaped for POSIX shells."""
+    changed = changed_keys(cfg)
+    if resume_run_id is not None:
+        changed.setdefault("checkpointing", {})["resume_run_id"] = resume_run_id
+    text = json.dumps(redact_json(changed)).replace("'", "'\\''")
+    return f"{RUN_COMMAND} --cfg '{text}'"
+
+
+def changed_keys(cfg: GRPOConfig) -> dict[str, Any]:
+    """The keys of ``cfg`` (nested, as in a config file) whose values differ from ``type(cfg)()``'s."""
+    return _changed_keys(type(cfg), json.dumps(cfg.to_dict()))
 
 
 def _changed_keys(root: type[GRPOConfig], default: Any) -> dict[str, Any]:

@@ -3,7 +3,6 @@ registered when asked), close the run, say where everything is."""
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,11 +48,10 @@ def hf_folder(cfg: RunConfig, policy: PolicyVersion) -> Iterator[Path]:
         FileNotFoundError: the folder has no ``config.json`` (not an HF model folder).
         storage errors: see :func:`rl.checkpoint.local_copy`.
     """
-    from rl.checkpoint import local_copy
+    from rl.checkpoint import local_copy, remove_copy
 
-    folder = Path(
-        local_copy(policy.path, cfg.dataplane.storage_options, require_complete=policy.step > 0, weights_only=True)
-    ).resolve()
+    found = local_copy(policy.path, cfg.dataplane.storage_options, require_complete=policy.step > 0, weights_only=True)
+    folder = Path(found).resolve()
     copied = folder != Path(policy.path.removeprefix("file://")).resolve()  # a remote checkpoint: a temporary copy
     try:
         with tempfile.TemporaryDirectory(prefix="grpoflow-model-") as tmp:
@@ -71,7 +69,7 @@ def hf_folder(cfg: RunConfig, policy: PolicyVersion) -> Iterator[Path]:
             yield hf
     finally:
         if copied:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_copy(found)
 
 
 def _model_card(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> Any:
@@ -89,7 +87,8 @@ def _model_card(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> Any:
 def log_model_and_end_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> Any:
     """Log ``policy``'s HF files as the MLflow model ``model`` (transformers flavor, task ``text-generation``) of the
     run ``run.mlflow_run_id``, register it under ``cfg.tracking.registered_model_name`` when set, and end the run:
-    FINISHED, or FAILED if logging raised (the run's single termination; nothing else marks it finished).
+    FINISHED, or FAILED if logging raised, KILLED if a signal stopped it (``tasks.failure.watch_interrupts``) (the
+    run's single termination; nothing else marks it finished).
 
     Needs no network: the checkpoint is a local folder (``transformers_model=<path>``: the weights are copied, never
     loaded), the requirements are given (:func:`pip_requirements`), and so is the model card. The global MLflow
@@ -119,8 +118,8 @@ def log_model_and_end_run(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -
                     pip_requirements=pip_requirements(),
                     registered_model_name=cfg.tracking.registered_model_name,
                 )
-            except BaseException:
-                mlflow.end_run(status="FAILED")
+            except BaseException as err:  # a stopped run (Ctrl-C, SIGTERM: tasks.failure) is KILLED, not FAILED
+                mlflow.end_run(status="KILLED" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "FAILED")
                 raise
             mlflow.end_run(status="FINISHED")
         finally:

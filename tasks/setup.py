@@ -20,7 +20,7 @@ from rl.lengths import check_fits, context_limit, model_max_len
 from rl.model import load_tokenizer, resolve_model
 from rl.model_store import is_remote, materialize, publish
 from rl.prompts import prepare_prompts
-from tasks import lineage, runtime, tracking
+from tasks import failure, lineage, runtime, tracking
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.run_config import RunConfig, check_placement
@@ -55,6 +55,7 @@ def start_run(cfg: RunConfig) -> RunInfo:
     model_path = _shared(cfg, resolved, folder, local=local)
     if cfg.checkpointing.resume_run_id:
         info = _resume(cfg, cfg.checkpointing.resume_run_id, model_path, cold_tasks=cold)
+        failure.watch_interrupts(cfg, info)  # a local run stopped by a signal: its MLflow run KILLED
         _prepare_prompts(cfg, info.run_id, folder, resume=True)  # the copy the run's first start made
         return info
     # a retried start_run of a remote execution finds the MLflow run and run id of its first attempt
@@ -81,7 +82,7 @@ def start_run(cfg: RunConfig) -> RunInfo:
     tracking.log_metrics(cfg.tracking.uri, mlflow_run_id, runtime.startup_metric("start_run", since), 0)
     lineage.log_datasets(cfg, mlflow_run_id, prepared)
     print(f"[grpoflow] run {run_id} | MLflow run {mlflow_run_id} | model {redact(model_path)}", flush=True)
-    return RunInfo(
+    info = RunInfo(
         run_id=run_id,
         mlflow_run_id=mlflow_run_id,
         model_path=model_path,
@@ -89,6 +90,8 @@ def start_run(cfg: RunConfig) -> RunInfo:
         start_policy_path=model_path,
         cold_tasks=cold,
     )
+    failure.watch_interrupts(cfg, info)  # a local run stopped by a signal: its MLflow run KILLED
+    return info
 
 
 def _prepare_prompts(cfg: RunConfig, run_id: str, folder: str, *, resume: bool = False) -> tuple[Any, Any] | None:

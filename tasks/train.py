@@ -11,6 +11,11 @@ they are logged last, and a step counts as finished (:func:`_finished_attempt`) 
 task trains the step again and logs them. A resumed run does not train that step again: one killed between the
 checkpoint's ``_COMPLETE`` marker and this last log lacks those two timings at that step (the killed process
 measured them and died with them); the step's other metrics are all logged.
+
+A retry in a warm process (a local run) of a task that failed after its update saves the update the live trainer holds
+(:func:`_kept_update`) instead of training again: the step's input may be saved with weights only (not a checkpoint
+step), and its optimizer state then exists nowhere else. Where it cannot (the update itself failed), the task says how
+to resume the run (:func:`_require_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -27,10 +32,16 @@ from rl.async_grpo import partitions_to_clear
 from rl.backends.dataplane_policy import DataPlanePolicy
 from tasks import runtime, saving, tracking
 from tasks.data_parallel import DataParallel, fault_drill
+from tasks.failure import how_to_continue
 from tasks.placement import declared
 from tasks.retry import transient_errors_retried
 from tasks.run_config import RunConfig
 from tasks.types import PolicyVersion, RunInfo
+
+_KEPT: dict[str, tuple[int, dict[str, float]]] = {}
+"""run_id -> (the step of the live trainer's last update, that update's metrics), from the update until
+the step is saved and logged: a warm process's retry of a train task that failed after its update saves that update
+(:func:`_kept_update`) instead of training again from an input that may have no optimizer state on storage."""
 
 DONE_METRIC = "timing/train/checkpointing"
 """Logged in the step's last batch, after its save (with ``timing/train/total_step_time``; the batch's first key, which
@@ -83,11 +94,17 @@ def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMet
                 flush=True,
             )
         return finished
-    backend = runtime.policy(cfg, run, policy, training=True)
+    metrics = _kept_update(run, step)  # an earlier attempt's update that this process holds (a local retry)
+    if metrics is None:
+        _require_optimizer_state(cfg, run, policy)
+    backend = runtime.policy(cfg, run, policy if metrics is None else None, training=True)
     ready = runtime.startup_metric("train", since)
     try:
-        # seeded by the step (``rl.step.update``): the checkpoint's RNG state is a function of the step
-        metrics = update(cfg, DataPlanePolicy(backend, dp), meta, step=step)
+        if metrics is None:
+            # seeded by the step (``rl.step.update``): the checkpoint's RNG state is a function of the step
+            metrics = update(cfg, DataPlanePolicy(backend, dp), meta, step=step)
+            if not run.cold_tasks:
+                _KEPT[run.run_id] = (step, metrics)
         trained = time.time()
         fault_drill("train")
         backend.prepare_checkpoint(
@@ -106,9 +123,12 @@ def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMet
         new_policy = saving.save_policy(cfg, run, backend, started_from=policy)
         done = time.time()
     except BaseException:
-        # the in-memory policy may have moved past ``policy``: a retry must reload it from storage
-        runtime.discard(run, "policy")
+        # the in-memory policy may have moved past ``policy``: a retry reloads it from storage, unless it holds this
+        # step's whole update (kept by a warm process: the retry saves it)
+        if _kept_update(run, step) is None:
+            runtime.discard(run, "policy")
         raise
+    _KEPT.pop(run.run_id, None)
 
     after = {  # measured only now: see the module's docstring
         DONE_METRIC: (prepared - trained) + (done - saving_from),  # gathering the shards, and the save
@@ -126,6 +146,41 @@ def _train(cfg: RunConfig, run: RunInfo, policy: PolicyVersion, meta: KVBatchMet
         flush=True,
     )
     return new_policy
+
+
+def _kept_update(run: RunInfo, step: int) -> dict[str, float] | None:
+    """The metrics of the update of ``step`` if this process's live trainer of ``run`` holds its result (the weights
+    and optimizer state after it): an earlier attempt of this task updated, then failed before its save completed.
+    None: the update must be made (again)."""
+    kept_step, metrics = _KEPT.get(run.run_id, (None, None))
+    if kept_step != step or not runtime.holds_trainer(run, PolicyVersion(step=step, path="")):
+        return None
+    return metrics
+
+
+def _require_optimizer_state(cfg: RunConfig, run: RunInfo, policy: PolicyVersion) -> None:
+    """Raise, saying how to go on, where a local run cannot train from ``policy``: it was saved with weights only and
+    this process no longer holds its optimizer state (an earlier attempt of this task failed during its update, which
+    may have left the weights half-updated). Tasks that run cold find the trainer state on storage
+    (``tasks.saving.saves_trainer_state``); a load there raises ``rl.checkpoint.require_trainer_state``'s error.
+
+    Raises:
+        RuntimeError: see above; the message says how to go on (``tasks.failure.how_to_continue``: the command that
+            resumes the run from its newest checkpoint, or that starts it again where it has none).
+    """
+    from rl import checkpoint
+
+    if run.cold_tasks or policy.step == 0 or runtime.holds_trainer(run, policy):
+        return
+    if checkpoint.has_trainer_state(policy.path, cfg.dataplane.storage_options):
+        return
+    msg = (
+        f"step {policy.step + 1}: the policy of step {policy.step} at {redact(policy.path)} has no optimizer state "
+        "(saved with weights only), and this process no longer holds it (an earlier attempt of this task failed "
+        f"during its update), so this step cannot be trained again here; {how_to_continue(cfg, run.run_id)} ; "
+        "checkpointing.checkpoint_period: 1 saves the optimizer state at every step, so that any step can be retried"
+    )
+    raise RuntimeError(msg)
 
 
 def _step_metrics(

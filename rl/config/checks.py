@@ -21,10 +21,11 @@ import types
 import typing
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
 
 from mashumaro.helper import pass_through
 
-from dataplane.urls import has_userinfo, is_secret_key, redact
+from dataplane.urls import credential_parts, is_secret_key, redact
 
 if TYPE_CHECKING:
     from rl.config.sections import GRPOConfig
@@ -282,8 +283,15 @@ _CREDENTIALS_FIX = (
 
 
 def refuse_credentials(options: Any, where: str) -> None:
-    """Refuse credential-named keys (``secret``, ``key``, ``token``, ``password``, ``headers``, ...) and URLs with a
-    ``user:password@`` part anywhere in ``options``, nested mappings and lists included."""
+    """Refuse credential-named keys (``secret``, ``key``, ``token``, ``password``, ``headers``, ...) anywhere in
+    ``options``, nested mappings and lists included, and string values that hold credentials
+    (`dataplane.urls.credential_parts`): a ``user:password@`` part (``https://AKIA...:secret@host``), or a
+    secret-named query or connection-string parameter with a value (``?X-Amz-Signature=...``, ``&password=...``,
+    ``;AccountKey=...``).
+
+    Raises:
+        ValueError: naming the dotted key and what in its value is a credential (the value redacted).
+    """
     if isinstance(options, dict):
         for k, v in options.items():
             here = f"{where}.{k}"
@@ -293,8 +301,12 @@ def refuse_credentials(options: Any, where: str) -> None:
     elif isinstance(options, list):
         for i, v in enumerate(options):
             refuse_credentials(v, f"{where}[{i}]")
-    elif isinstance(options, str) and has_userinfo(options):
-        fail(where, f"{redact(options)!r} holds a user:password@ part", f"drop it and {_CREDENTIALS_FIX}")
+    elif isinstance(options, str) and (parts := credential_parts(options)):
+        fail(
+            where,
+            f"{redact(options)!r} holds credentials ({' and '.join(parts)}): the config travels in Flyte's task inputs",
+            f"drop them and {_CREDENTIALS_FIX}",
+        )
 
 
 # ---------------------------------------------------------------- MLflow tracking URIs
@@ -329,8 +341,10 @@ def check_tracking_uri(uri: str) -> None:
 
     Raises:
         ValueError: an unknown scheme (``htp://host``); a bare name with spaces (``not a uri``: write a folder as
-            ``./not a uri``); a bare path to a ``.db``/``.sqlite`` file (write ``sqlite:///...``). Credentials in
-            the URI are redacted in the message.
+            ``./not a uri``); a bare path to a ``.db``/``.sqlite`` file (write ``sqlite:///...``); a port that is
+            not a whole number from 1 to 65535 (``http://host:notaport``); ``http(s)://`` without a host; a SQLite
+            URI with a host (``sqlite://rel.db``: write ``sqlite:///rel.db``). Credentials in the URI are redacted in
+            the message.
     """
     where = "tracking.uri"
     m = _URI_SCHEME.match(uri)
@@ -340,6 +354,7 @@ def check_tracking_uri(uri: str) -> None:
             fail(
                 where, f"{redact(uri)!r} has the scheme {m['scheme']!r}, which no MLflow tracking store reads", _URI_FIX
             )
+        _check_authority(uri, scheme.split("+")[0])
         return
     if uri in _MLFLOW_NAMES:
         return
@@ -355,6 +370,36 @@ def check_tracking_uri(uri: str) -> None:
             f"{uri!r} is neither a URI (scheme:...) nor a folder path, and MLflow would make a folder of that name",
             f"{_URI_FIX}; write a folder with spaces as './{uri}'",
         )
+
+
+def _check_authority(uri: str, scheme: str) -> None:
+    """The ``//host:port`` part of a tracking URI with scheme ``scheme`` (lowercase, without a ``+driver``): a port
+    from 1 to 65535, a host for ``http(s)``, and no host in a SQLite URI (SQLAlchemy reads ``sqlite://rel.db`` as
+    the host ``rel.db`` and fails when the run starts: the file comes after the third slash, ``sqlite:///rel.db``
+    relative to the current folder, ``sqlite:////abs/x.db`` absolute)."""
+    if "://" not in uri:
+        return
+    parts = urlsplit(uri)
+    if scheme == "sqlite" and parts.netloc:
+        path = redact(parts.netloc) + parts.path
+        fail(
+            "tracking.uri",
+            f"{redact(uri)!r} names the host {redact(parts.netloc)!r}, but SQLAlchemy reads a SQLite file after the "
+            "third slash",
+            f"write 'sqlite:///{path}' (a path relative to the current folder) or 'sqlite:////abs/{path}' (an "
+            "absolute one)",
+        )
+    host_port = parts.netloc.rpartition("@")[2]
+    if ":" in host_port.rpartition("]")[2]:  # a port is given (an IPv6 host is bracketed)
+        given = host_port.rpartition(":")[2]
+        if not (given.isdigit() and 1 <= int(given) <= 65535):
+            fail(
+                "tracking.uri",
+                f"{redact(uri)!r} has the port {given!r}, not a whole number from 1 to 65535",
+                "write e.g. 'http://host:5000', or leave the port out for the scheme's default",
+            )
+    if scheme in ("http", "https") and not parts.hostname:
+        fail("tracking.uri", f"{redact(uri)!r} names no host", "write the tracking server as e.g. 'http://host:5000'")
 
 
 # ---------------------------------------------------------------- across sections

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -18,6 +19,9 @@ from rl.config.parsing import build_config, build_config_from_json, parse_json, 
 from rl.config.sections import GRPOConfig
 
 C = TypeVar("C", bound=GRPOConfig)
+
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file read (1 MiB): a config is a few kilobytes, and a larger file is a mistake."""
 
 
 def config_from_dict(data: dict[str, Any], root: type[C] = GRPOConfig) -> C:  # type: ignore[assignment]
@@ -46,11 +50,13 @@ def load_config(source: str, *, root: type[C] = GRPOConfig, storage_options: dic
             (AWS_* variables, ~/.aws, an IAM role; fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>`` variables).
 
     Raises:
-        ValueError: the file does not exist, is a folder, cannot be read (its filesystem's error, e.g. access
-            denied), is not named .yaml/.yml/.json, is not valid YAML or JSON, gives a key twice in one mapping,
-            holds a YAML alias inside its own anchor (``a: &a [*a]``) or aliases that expand past
-            `rl.config.parsing.MAX_CONFIG_VALUES` values, nests too deeply, or holds no mapping of sections; or what
-            `config_from_dict` raises for. Each message about the file names it (credentials in its URL redacted).
+        ValueError: the file does not exist, is a folder, is not a regular file after following links (a FIFO, a
+            device such as ``/dev/zero``, a socket), is larger than `MAX_CONFIG_BYTES` (1 MiB), cannot be read (its
+            filesystem's error, e.g. access denied), is not named .yaml/.yml/.json, is not valid YAML or JSON, gives a
+            key twice in one mapping, holds a YAML alias inside its own anchor (``a: &a [*a]``) or aliases that expand
+            past `rl.config.parsing.MAX_CONFIG_VALUES` values, nests too deeply, or holds no mapping of sections; or
+            what `config_from_dict` raises for. Each message about the file names it (credentials in its URL
+            redacted).
             Inline JSON fails the same way where it is invalid or gives a key twice.
     """
     return config_from_dict(read_config_source(source, storage_options=storage_options), root)
@@ -108,6 +114,7 @@ def env_storage_options(protocol: str) -> dict[str, Any]:
 def _read_config_file(source: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """The mapping held by the YAML/JSON file at ``source`` (a path or an fsspec URL); see `load_config`."""
     import fsspec
+    from fsspec.implementations.local import LocalFileSystem
 
     where = f"file {redact(source)!r}"
     suffix = Path(urlsplit(source).path if "://" in source else source).suffix.lower()
@@ -121,13 +128,32 @@ def _read_config_file(source: str, storage_options: dict[str, Any] | None) -> di
         protocol = fsspec.utils.get_protocol(source)
         options = env_storage_options(protocol) if storage_options is None else storage_options
         fs, path = fsspec.core.url_to_fs(source, **options)
+        mode = os.stat(path).st_mode if isinstance(fs, LocalFileSystem) else None  # follows symlinks
+    except Exception as err:  # any filesystem's own error: botocore's NoCredentialsError is no OSError
+        msg, cause = _unreadable(where, source, err)
+        raise ValueError(msg) from cause
+    if mode is not None and stat.S_ISDIR(mode):
+        fail(where, "is a folder", "name the config file inside it")
+    if mode is not None and not stat.S_ISREG(mode):  # a FIFO would block the read, /dev/zero never end it
+        fail(
+            where,
+            f"is {_file_kind(mode)}{_link_target(path)}, not a regular file",
+            "give the path of a YAML or JSON file (write the config to a file first), or inline JSON starting with '{'",
+        )
+    try:
         with fs.open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except IsADirectoryError:
         fail(where, "is a folder", "name the config file inside it")
     except Exception as err:  # any filesystem's own error: botocore's NoCredentialsError is no OSError
         msg, cause = _unreadable(where, source, err)
         raise ValueError(msg) from cause
+    if len(raw) > MAX_CONFIG_BYTES:
+        fail(
+            where,
+            f"is larger than {MAX_CONFIG_BYTES} bytes (1 MiB), the most a config file may hold",
+            "give the config file itself (a config is a few kilobytes; put data in data.train)",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -148,6 +174,23 @@ def _read_config_file(source: str, storage_options: dict[str, Any] | None) -> di
             "write sections such as 'grpo: {max_num_steps: 2}'",
         )
     return data
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words (``a named pipe (FIFO)``), from its ``st_mode``."""
+    kinds = (
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def _link_target(path: str) -> str:
+    """`` (a link to '/dev/zero')`` where ``path`` is a symbolic link (or lies under one), else ``""``."""
+    target = os.path.realpath(path)
+    return f" (a link to {target!r})" if target != os.path.abspath(path) else ""
 
 
 def _unreadable(where: str, source: str, err: Exception) -> tuple[str, BaseException | None]:

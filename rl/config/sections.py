@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dataplane.urls import check_root, redact
+from dataplane.urls import check_root, redact, redact_json
 from rl.backends.registry import check_name
 from rl.config.checks import (
     Section,
@@ -25,6 +25,7 @@ from rl.config.checks import (
     describe,
     fail,
     refuse_credentials,
+    sections,
 )
 from rl.config.descriptions import document_tree
 from rl.config.parsing import build_config_from_json
@@ -892,18 +893,24 @@ class GRPOConfig(Section):
         return next(iter(specs)) if len(specs) == 1 else "default"
 
     def flat_params(self) -> dict[str, str]:
-        """Flattened ``section.key -> str(value)`` for MLflow params: storage options left out, and credentials
-        in URLs (``tracking.uri``, ``dataplane.root``: ``http://user:pw@host``) redacted to ``http://***@host``."""
+        """Flattened ``section.key -> str(value)`` for MLflow params (a list as JSON), storage options left out and
+        credentials redacted by value and by name (`dataplane.urls.redact_json`): userinfo in URLs and image
+        references (``http://user:pw@host`` -> ``http://***@host``), secret-named query parameters
+        (``?X-Amz-Signature=***``), and every string under a secret-named key of a mapping field at any depth
+        (``data.dataset_kwargs.token`` -> ``***``)."""
         out: dict[str, str] = {}
+        section_paths = {name for name, _ in sections(type(self))}
 
         def walk(prefix: str, value: Any) -> None:
             if prefix == "dataplane.storage_options":
                 return
             if isinstance(value, dict):
+                if prefix and prefix not in section_paths:  # a mapping field: its keys are the user's
+                    value = redact_json(value)
                 for k, v in value.items():
                     walk(f"{prefix}.{k}" if prefix else k, v)
             else:
-                out[prefix] = redact(json.dumps(value) if isinstance(value, list) else str(value))
+                out[prefix] = json.dumps(redact_json(value)) if isinstance(value, list) else redact(str(value))
 
         walk("", self.to_dict())
         return out

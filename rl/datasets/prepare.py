@@ -320,12 +320,15 @@ def _keep_rows(
         if not all(ok):
             if on_overlong_prompt == "refuse":
                 i = rows[ok.index(False)]
-                msg = (
-                    f"{locate(info, part.file, part.file_row + i)}, column {keys.prompt_key!r}: the prompt does not "
-                    f"fit the model's context with room for generation.max_new_tokens; shorten the prompt, lower "
-                    f"generation.max_new_tokens (or use a model with a longer context), or set "
-                    f"data.on_overlong_prompt: skip to drop such prompts"
+                explain = getattr(fits, "explain", None)  # rl.prompts.fits_checker's: the lengths and the fixes
+                why = (
+                    explain(problems[ok.index(False)])
+                    if explain is not None
+                    else "the prompt does not fit the model's context with room for generation.max_new_tokens; "
+                    "shorten the prompt, lower generation.max_new_tokens (or use a model with a longer context), or "
+                    "set data.on_overlong_prompt: skip to drop such prompts"
                 )
+                msg = f"{locate(info, part.file, part.file_row + i)}, column {keys.prompt_key!r}: {why}"
                 raise DatasetError(msg)
             counts["skipped_overlong"] += ok.count(False)
             rows = [i for i, fit in zip(rows, ok, strict=True) if fit]

@@ -159,7 +159,7 @@ def test_bad_writes_raise_before_anything_is_written(dp):
     with pytest.raises(ValueError, match="not a registered field"):
         dp.write_columns(meta, {"values": torch.zeros(2)})
     # a per-token field written 1-D, through a meta that carries no lengths: refused, not stored to break reads
-    bare = type(meta)(meta.partition_id, list(meta.sample_ids))
+    bare = type(meta)(meta.partition_id, list(meta.sample_ids), puts=meta.puts)
     with pytest.raises(ValueError, match="per-token fields are written jagged"):
         dp.write_columns(bare, {F.PREV_LOGPROBS: torch.zeros(2)})
     with pytest.raises(ValueError, match="row lengths differ from input_lengths"):  # lengths from the partition
@@ -183,7 +183,7 @@ def test_read_errors_name_partition_field_and_ids(dp):
         dp.read(meta, [F.PREV_LOGPROBS])
     with pytest.raises(DataPlaneError, match="not registered"):
         dp.read(meta, ["nope"])
-    ghost = meta.concat(type(meta)("step_000001", ["ghost_g0"]))
+    ghost = meta.concat(type(meta)("step_000001", ["ghost_g0"], puts=[]))
     with pytest.raises(DataPlaneError, match="ghost_g0"):
         dp.read(ghost, [F.REWARDS])
     dp.clear("step_000001")

@@ -361,7 +361,7 @@ def _kill_worker(
     hooked ``mode``, stall in write ``trip_op`` at its kill point; in ``timing`` mode, write ``trip_op`` again and
     again (a retried task) until the parent kills us."""
     dp = DataPlane(root, RUN, storage_options=options)
-    base = KVBatchMeta(part, base_ids, sequence_lengths=_lengths().tolist())
+    base = dp.meta_for(part, base_ids)
     current = {"op": -1}
     if mode != "timing":
         _arm(dp.fs, dp._local, mode, current, trip_op)
@@ -385,10 +385,9 @@ def _race_worker(index: int, barrier: Any, *, root: str, options: dict, ids: dic
     dp = DataPlane(root, RUN, storage_options=options)
     align = {"on": False, "synced": False}
     _align_before_commit(dp.fs, barrier, align)
-    lens = _lengths().tolist()
     for trial in range(RACE_TRIALS):
         part = f"race_{trial:02d}"
-        meta = KVBatchMeta(part, ids[part], sequence_lengths=lens)
+        meta = dp.meta_for(part, ids[part])
         columns = race_columns(trial)
         barrier.wait(timeout=120)
         align.update(on=trial % 2 == 0, synced=False)
@@ -403,7 +402,7 @@ def _outage_worker(index: int, barrier: Any, *, root: str, options: dict, base_i
     """The outage sequence: delta writes ``d{j}`` of the base rows, with a put and reads of everything so far
     in between; every read is checked here, and ``done j`` said after each step."""
     dp = DataPlane(root, RUN, storage_options=options)
-    base = KVBatchMeta(PART, base_ids, sequence_lengths=_lengths().tolist())
+    base = dp.meta_for(PART, base_ids)
     written: dict[str, Any] = dict(base_columns())
     for j in range(OUTAGE_OPS):
         if j % 5 == 4:  # a read of everything written so far
@@ -661,7 +660,7 @@ def _check_partition(dp: DataPlane, p: _Partition, in_flight: int, allowed: set[
     assert not bad, f"{why}: fields {bad} read back other values than written"
     puts = [j for j in committed if is_put(j)]
     if puts:
-        rows = KVBatchMeta(base.partition_id, [s for j in puts for s in put_ids[j]])
+        rows = dp.meta_for(base.partition_id, [s for j in puts for s in put_ids[j]])
         want = {name: _cat([p[j][name] for j in puts]) for name in ("p_val", "p_txt")}
         out = dp.read(rows, list(want), layout="jagged")
         bad = _mismatches(out, want)
@@ -671,7 +670,7 @@ def _check_partition(dp: DataPlane, p: _Partition, in_flight: int, allowed: set[
     if 0 <= in_flight and in_flight not in committed:
         if is_put(in_flight):
             with pytest.raises(DataPlaneError, match="no value for sample ids|never written"):
-                dp.read(KVBatchMeta(base.partition_id, put_ids[in_flight]), ["p_val"])
+                dp.read(KVBatchMeta(base.partition_id, put_ids[in_flight], puts=[]), ["p_val"])
         else:
             with pytest.raises(DataPlaneError, match="never written"):
                 dp.read(base, [f"d{in_flight:03d}"])
@@ -819,7 +818,7 @@ def test_concurrent_attempts_of_one_write(store, workers):
             )
             continue
         try:
-            out = dp.read(KVBatchMeta(part, ids[part]), ["d000", "e000"], layout="jagged")
+            out = dp.read(dp.meta_for(part, ids[part]), ["d000", "e000"], layout="jagged")
         except Exception as err:  # noqa: BLE001  (collected: the message lists every trial that failed)
             problems.append(f"trial {trial} ({schedule}): read failed: {type(err).__name__}: {err}")
             continue
