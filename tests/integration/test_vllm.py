@@ -160,15 +160,18 @@ def test_a_prompts_stop_strings_end_its_completion_in_the_engine(setup):
     """vLLM's own ``stop`` (the multi-turn loop's ``next_stop_strings``): the greedy completion ends at the token that
     completes the stop string, kept, counted as finished; a prompt without stop strings is unchanged."""
     _, tok, gen, _, _, prompts = setup
-    free = gen.generate(prompts[:2], group_size=1, seed=0, greedy=True)
-    ids = free.response_token_ids[0]
-    stop = tok.decode(ids[6:8])
+    free = gen.generate(prompts, group_size=1, seed=0, greedy=True)
+    j = max(range(len(prompts)), key=lambda i: len(free.response_token_ids[i]))  # the longest completion
+    ids = free.response_token_ids[j]
+    assert len(ids) >= 6
+    stop = tok.decode(ids[2:4])
     k = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
     assert k < len(ids) - 1
-    got = gen.generate(prompts[:2], group_size=1, seed=0, greedy=True, stop_strings=[[stop], None])
-    assert got.response_token_ids[0] == ids[: k + 1]
-    assert not bool(got.truncated[0]) and stop in tok.decode(got.response_token_ids[0])
-    assert got.response_token_ids[1] == free.response_token_ids[1]
+    stops = [[stop] if i == j else None for i in range(len(prompts))]
+    got = gen.generate(prompts, group_size=1, seed=0, greedy=True, stop_strings=stops)
+    assert got.response_token_ids[j] == ids[: k + 1]
+    assert not bool(got.truncated[j]) and stop in tok.decode(got.response_token_ids[j])
+    assert all(got.response_token_ids[i] == free.response_token_ids[i] for i in range(len(prompts)) if i != j)
 
 
 def test_a_step_of_more_prompt_tokens_than_one_forward_takes(setup):

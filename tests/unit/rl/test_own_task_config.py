@@ -43,8 +43,12 @@ def test_one_task_of_files_is_named_default():
         ({"env": {"timeout_s": 0}}, r"^config env.timeout_s: is 0.0; use a positive number"),
         ({"env": {"reward_functions": ["tests.rewards:earnable"]}}, r"^config env.reward_functions: expected a list"),
         (
-            {"data": {"train": "s3://bucket/x.jsonl?token=1", "validation": "https://u:p@host/v.jsonl"}, "env": RF},
+            {"data": {"train": "s3://bucket/x.jsonl", "validation": "https://u:p@host/v.jsonl"}, "env": RF},
             r"data.validation",
+        ),
+        (
+            {"data": {"train": "s3://bucket/x.jsonl?token=1", "validation": "https://host/v.jsonl"}, "env": RF},
+            r"^config data.train: 's3://bucket/x.jsonl\?token=\*\*\*' holds credentials \(the parameter 'token'\)",
         ),
     ],
 )

@@ -165,13 +165,23 @@ def test_the_example_dataset_is_seeded_and_solved_by_a_tool_call_then_the_answer
     spec.loader.exec_module(mod)
     rows = mod.rows(3, seed=7)
     assert rows == mod.rows(3, seed=7) and rows != mod.rows(3, seed=8)
+    python = {" plus ": " + ", ", all times ": ") * ", " times ": " * ", " minus ": " - "}
     for r in rows:
-        a, b = (int(x) for x in r["prompt"].split("What is ")[1].split("?")[0].split(" * "))
-        assert 10**4 <= a < 10**6 and 10**4 <= b < 10**6 and r["answer"] == str(a * b) and r["task"] == "arith"
-    assert mod.rows(1, seed=0, messages=True)[0]["prompt"][0]["role"] == "system"
+        words = r["prompt"].split("What is ")[1].split("?")[0]
+        numbers = [int(x) for x in words.replace(",", " ").split() if x.isdigit()]
+        assert all(10**4 <= x < 10**6 for x in numbers) and len(numbers) in (2, 3) and r["task"] == "arith"
+        expr = "(" * ("all times" in words) + words
+        for w, op in python.items():
+            expr = expr.replace(w, op)
+        assert r["answer"] == str(eval(expr, {"__builtins__": {}}))  # noqa: S307  (digits and + - * ( ) only)
+    messages = mod.rows(1, seed=0, messages=True)[0]["prompt"]
+    assert [m["role"] for m in messages] == ["system", *["user", "assistant", "tool", "assistant"] * 2, "user"]
     env = ToolEnvironment()
     question = rows[0]["prompt"]
-    expr = question.split("What is ")[1].split("?")[0]
+    words = question.split("What is ")[1].split("?")[0]
+    expr = "(" * ("all times" in words) + words
+    for w, op in python.items():
+        expr = expr.replace(w, op)
     log = _log(_call(expr), question=question)
     meta = {"answer": rows[0]["answer"], "row_id": "r0"}
     first = env.step([log], [meta])
