@@ -1,6 +1,6 @@
 """Does GRPO learn? Held-out greedy accuracy of the real model before and after training, with 95% CIs.
 
-    python -m bench.learning [--cfg configs/learning.yaml] [--pass-at-k 8]
+    python -m bench.learning [--cfg configs/learning.yaml] [--pass-at-k 8] [--from-run MLFLOW_RUN_ID]
 
 Runs the `grpo` workflow (Flyte local executor) with the given config, which validates at step 0 and every
 `val_period` steps on `data.num_val_problems` questions held out by content, then reads the curve and the
@@ -98,37 +98,64 @@ def main() -> None:
     parser.add_argument("--cfg", default="configs/learning.yaml")
     parser.add_argument("--pass-at-k", type=int, default=0, help="also measure the untrained model's pass@K (0: skip)")
     parser.add_argument("--out", default="bench/results/learning.md", help="markdown result file")
+    parser.add_argument(
+        "--from-run",
+        metavar="MLFLOW_RUN_ID",
+        help="train nothing: write the table of this MLflow run of --cfg's tracking store (e.g. one stopped early)",
+    )
     args = parser.parse_args()
 
     from mlflow.tracking import MlflowClient
 
-    from rl.precision import resolve
-    from workflows.grpo import grpo
-
     cfg = load_run_config(args.cfg)
-    ceiling = pass_at_k(cfg, args.pass_at_k) if args.pass_at_k else {}
-    t0 = time.time()
-    summary = grpo(cfg=cfg)
-    wall = time.time() - t0
     client = MlflowClient(cfg.tracking.uri)
-    run = client.get_run(summary.mlflow_run_id)
-    history = {m.step: m for m in client.get_metric_history(summary.mlflow_run_id, "validation/accuracy")}
-    step_time = sorted(
-        m.value for m in client.get_metric_history(summary.mlflow_run_id, "timing/train/total_step_time")
-    )
-    rewards = sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, "train/reward"))
-    tables = validation_tables(client, summary.mlflow_run_id)
+    ceiling: dict[str, list[bool]] = {}
+    if args.from_run:
+        run_id, wall = args.from_run, None
+    else:
+        from workflows.grpo import grpo
+
+        ceiling = pass_at_k(cfg, args.pass_at_k) if args.pass_at_k else {}
+        t0 = time.time()
+        run_id = grpo(cfg=cfg).mlflow_run_id
+        wall = time.time() - t0
+    text = report(cfg, client, run_id, args, wall=wall, ceiling=ceiling)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+
+
+def report(cfg, client, run_id: str, args, *, wall: float | None, ceiling: dict[str, list[bool]]) -> str:
+    """The markdown table of the MLflow run ``run_id``: accuracy per validation step, overall and per size, the step
+    time and the training rewards. ``wall``: the run's seconds (None: a run read back with ``--from-run``, whose
+    steps are then counted from its metrics)."""
+    from rl.precision import resolve
+
+    run = client.get_run(run_id)
+    history = {m.step: m for m in client.get_metric_history(run_id, "validation/accuracy")}
+    step_time = sorted(m.value for m in client.get_metric_history(run_id, "timing/train/total_step_time"))
+    rewards = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/reward"))
+    tables = validation_tables(client, run_id)
     sizes = sorted({s for t in tables.values() for s in t if s != "all"})
     n = cfg.data.num_val_problems
+    d = cfg.data
+    source = f"{d.validation or d.train}" if d.train else f"{d.dataset} {d.dataset_kwargs}, split by content"
+    steps = len(rewards)
+    took = (
+        f"wall time {wall / 60:.1f} min for {steps} steps"
+        if wall is not None
+        else f"{steps} of {cfg.grpo.max_num_steps} steps (read back from MLflow, run status {run.info.status})"
+    )
     lines = [
         f"Command: `python -m bench.learning --cfg {args.cfg}"
         + (f" --pass-at-k {args.pass_at_k}" if args.pass_at_k else "")
+        + (f" --from-run {args.from_run}" if args.from_run else "")
         + "`"
-        + f"; MLflow run `{summary.mlflow_run_id}` in `{cfg.tracking.uri}`.",
-        f"Precision {resolve(cfg.model.precision)}; wall time {wall / 60:.1f} min for {summary.final_step} steps "
-        f"(median step {step_time[len(step_time) // 2]:.1f} s), {n} held-out questions ({cfg.data.dataset} "
-        f"{cfg.data.dataset_kwargs}, split by content). Greedy accuracy with 95% Wilson intervals; minutes since the "
-        "run started.",
+        + f"; MLflow run `{run_id}` in `{cfg.tracking.uri}`.",
+        f"Precision {resolve(cfg.model.precision)}; {took} (median step {step_time[len(step_time) // 2]:.1f} s), "
+        f"{n} held-out questions ({source}). Greedy accuracy with 95% Wilson intervals; minutes since the run "
+        "started.",
         "",
         "| step | minutes | all | " + " | ".join(sizes) + " |",
         "|---:|---:|---|" + "---|" * len(sizes),
@@ -146,11 +173,7 @@ def main() -> None:
         )
     lines += ["", "Held-out questions per size: " + ", ".join(f"{s} {len(tables[min(tables)][s])}" for s in sizes)]
     lines += ["", "Training reward per step: " + ", ".join(f"{v:.3f}" for _, v in rewards)]
-    text = "\n".join(lines)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ decode against plain ``transformers.generate`` in the same process.
     python -m bench.step [--model DIR | --random-shape {135M,1B}] [--tokenizer DIR] [--device {cpu,cuda}]
         [--prompts 64] [--group 8] [--max-new-tokens 256] [--repeats 4] [--calls 3] [--pins no_cudnn,cudnn]
         [--precision auto] [--policy-backend transformers] [--generation-backend transformers] [--cuda-graphs]
+        [--lora-rank R [--lora-alpha 2R] [--lora-targets all-linear]] [--saves 0] [--no-decode]
         [--workdir DIR] [--json PATH] [--out PATH.md]
 
 No Flyte and no MLflow in the process (it never imports ``tasks/`` or ``workflows/``): a bare CUDA machine with torch,
@@ -23,18 +24,27 @@ the figures are medians over the later steps (token counts: the lower median). E
 generation rate (response tokens, eos included, / seconds inside ``GenerationBackend.generate``) is a cold-shape
 figure, as in a real run.
 
-Then, with the back-ends still loaded (the trainer's memory held), plain transformers ``model.generate`` is loaded
-beside them and ``bench/decode_calls.py`` compares the decoders even-handedly: ``generate``, ours through the back-end
-(``ours``: its loop under its SDPA pin, ``rl.backends.hf.sdpa.DECODE_PIN``) and ours under each other pin of ``--pins``
-(the transformers back-end; e.g. ``ours[cudnn]``), each warmed once at the timed shape (the prompts of step
-``--repeats`` + 1), then ``--calls`` timed calls each on those prompts (warm), then ``--calls`` each on prompts no side
-saw (cold); medians with min and max. The default chain_sum prompts all have one length, so a warm batch has no padding
-(transformers then skips the mask); the cold sets are lengthened unevenly (:func:`padded_prompts`) so that they need
-padding and bring widths no call had, as a real run's prompts do. Baseline settings: the model with bf16 weights where
-the precision resolves to bf16 (else float32), ``attn_implementation="sdpa"``, ``do_sample=True, top_k=0, top_p=1.0``,
-same T; its tokens are those after the prompt up to and including the first eos. Recorded too:
-``torch.backends.cudnn.version()`` and the SDPA kernel torch picks for a decode step's shapes under each pin
-(``rl.backends.hf.sdpa.decode_choice``).
+``--lora-rank R`` sets ``policy.lora`` (`rl.lora`: rank R, alpha ``--lora-alpha``, default 2R, target modules
+``--lora-targets``, comma-separated, default ``all-linear``); without it every weight trains. Recorded after the steps:
+the trainable parameters (``requires_grad``, of the module the policy holds) and the peak memory of the steps: on CPU
+the process's peak resident set (``VmHWM`` of ``/proc/self/status``, reset once the model folder exists, so a random
+model built in the process does not count), on CUDA ``torch.cuda.max_memory_allocated``; in GiB. Then ``--saves N``
+times ``policy.save_checkpoint(url, trainer_state=TrainerState(...))`` (weights, or the adapter under LoRA, plus the
+optimizer and RNG state: what a run's checkpoint holds) into a fresh folder each (removed after it is measured):
+the bytes of the saved folder and the median save seconds.
+
+Then, unless ``--no-decode``, with the back-ends still loaded (the trainer's memory held), plain transformers
+``model.generate`` is loaded beside them and ``bench/decode_calls.py`` compares the decoders even-handedly:
+``generate``, ours through the back-end (``ours``: its loop under its SDPA pin, ``rl.backends.hf.sdpa.DECODE_PIN``) and
+ours under each other pin of ``--pins`` (the transformers back-end; e.g. ``ours[cudnn]``), each warmed once at the timed
+shape (the prompts of step ``--repeats`` + 1), then ``--calls`` timed calls each on those prompts (warm), then
+``--calls`` each on prompts no side saw (cold); medians with min and max. The default chain_sum prompts all have one
+length, so a warm batch has no padding (transformers then skips the mask); the cold sets are lengthened unevenly
+(:func:`padded_prompts`) so that they need padding and bring widths no call had, as a real run's prompts do. Baseline
+settings: the model with bf16 weights where the precision resolves to bf16 (else float32),
+``attn_implementation="sdpa"``, ``do_sample=True, top_k=0, top_p=1.0``, same T; its tokens are those after the prompt up
+to and including the first eos. Recorded too: ``torch.backends.cudnn.version()`` and the SDPA kernel torch picks for a
+decode step's shapes under each pin (``rl.backends.hf.sdpa.decode_choice``).
 
 Update MFU = sum_i (6 N + 12 L H S_i) S_i / update seconds / peak: PaLM (arXiv 2204.02311, appendix B) as
 ``bench/megatron.py`` counts it (N parameters with tied embeddings once, L layers, H hidden size, one forward and one
@@ -53,6 +63,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -69,6 +80,7 @@ from rl.backends import registry
 from rl.backends.dataplane_policy import DataPlanePolicy
 from rl.backends.interfaces import PolicyVersion
 from rl.config import DEFAULT_MODEL, config_from_dict
+from rl.config.sections import LORA_ALL_LINEAR
 from rl.data import prompt_token_ids, train_problems
 from rl.model import load_tokenizer, resolve_model
 
@@ -78,19 +90,28 @@ DATAPLANE_IO = ("register_partition", "put", "seal", "read", "read_batch", "writ
 """``DataPlane`` methods timed as data-plane I/O (``read_batch`` calls the inner ``read``: counted once)."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_step_args(
+    p: argparse.ArgumentParser, *, prompts: int, group: int, max_new_tokens: int, repeats: int, steps_of: str = ""
+) -> None:
+    """The arguments ``bench.step`` shares with benchmarks that run it: ``--model`` or ``--random-shape`` (with
+    ``--tokenizer``), ``--device``, and the step's shape (``--prompts``, ``--group``, ``--max-new-tokens``,
+    ``--repeats``, with these defaults; ``steps_of``: whose steps ``--repeats`` counts, in its help)."""
     which = p.add_mutually_exclusive_group()
     which.add_argument("--model", help="a transformers model folder (default: the converted SmolLM2-135M-Instruct)")
     which.add_argument("--random-shape", choices=["135M", "1B"], help="a random-weight Llama of bench.megatron.SIZES")
     p.add_argument("--tokenizer", help="tokenizer folder for --random-shape (default: SmolLM2-135M-Instruct's)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=4, help="whole steps; the first is a warm-up")
+    p.add_argument("--prompts", type=int, default=prompts)
+    p.add_argument("--group", type=int, default=group)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--repeats", type=int, default=repeats, help=f"whole steps{steps_of}; the first is a warm-up")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_step_args(p, prompts=64, group=8, max_new_tokens=256, repeats=4)
     p.add_argument("--calls", type=int, default=3, help="timed decode calls per side, warm and cold each")
     p.add_argument(
         "--pins",
@@ -105,12 +126,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="generation.cuda_graphs: static KV cache, decode step replayed as a CUDA graph",
     )
+    p.add_argument("--lora-rank", type=int, help="policy.lora.rank: train a LoRA adapter (default: every weight)")
+    p.add_argument("--lora-alpha", type=float, help="policy.lora.alpha (default: twice --lora-rank)")
+    p.add_argument(
+        "--lora-targets",
+        default=LORA_ALL_LINEAR,
+        help=f"policy.lora.target_modules, comma-separated module names (default: {LORA_ALL_LINEAR})",
+    )
+    p.add_argument("--saves", type=int, default=0, help="timed checkpoint saves after the steps (default: none)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode comparison with transformers.generate")
     p.add_argument("--workdir", help="data plane and random models (default: a temporary folder, removed at the end)")
     p.add_argument("--json", help="append one JSON object per run to this file")
     p.add_argument("--out", help="also write the markdown table here")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.prompts < 1 or args.group < 2 or args.max_new_tokens < 1 or args.calls < 1:
         p.error("use --repeats >= 1, --calls >= 1, --prompts >= 1, --group >= 2 and --max-new-tokens >= 1")
+    if args.saves < 0:
+        p.error(f"--saves is {args.saves}: use 0 (no checkpoint saves) or more")
+    if args.lora_rank is None and args.lora_alpha is not None:
+        p.error("--lora-alpha needs --lora-rank: add --lora-rank R to train a LoRA adapter, or drop --lora-alpha")
+    if args.lora_rank is not None and not [t for t in args.lora_targets.split(",") if t.strip()]:
+        p.error("--lora-targets is empty: name module names such as q_proj,v_proj, or all-linear")
     from rl.backends.hf.sdpa import PINS
 
     unknown = [x for x in (args.pins or "").split(",") if x and x not in PINS]
@@ -190,6 +226,79 @@ class Timed:
                 self.seconds += self.now() - t0
 
         return timed
+
+
+def lora_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``policy.lora`` mapping of ``--lora-rank``, ``--lora-alpha`` (default 2 x rank) and ``--lora-targets``;
+    None (full fine-tuning) without ``--lora-rank``. The config checks the values (`rl.config.sections.LoRASettings`).
+    """
+    if args.lora_rank is None:
+        return None
+    alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    return {"rank": args.lora_rank, "alpha": alpha, "target_modules": targets}
+
+
+def reset_peak_memory(cuda: bool) -> None:
+    """Start :func:`peak_memory_gib` afresh: CUDA's peak statistics, or the process's ``VmHWM`` (Linux: writing 5 to
+    ``/proc/self/clear_refs`` sets it to the current resident set; nothing where there is no such file)."""
+    if cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+    elif Path("/proc/self/clear_refs").exists():
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory_gib(cuda: bool, status: str | None = None) -> float | None:
+    """Peak memory since :func:`reset_peak_memory` in GiB: ``torch.cuda.max_memory_allocated`` on CUDA, else ``VmHWM``
+    (peak resident set, kB) of ``status`` (default: ``/proc/self/status``); None where there is no such file."""
+    if cuda:
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**30
+    if status is None:
+        if not Path("/proc/self/status").exists():
+            return None
+        status = Path("/proc/self/status").read_text()
+    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    return None if kb is None else int(kb) * 1024 / 2**30
+
+
+def trainable_params(policy: Any) -> int:
+    """Parameters that require grad in the module the policy holds (this rank's under model parallelism)."""
+    return sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+
+
+def folder_bytes(folder: str | Path) -> int:
+    """Bytes of the files under ``folder``, recursively."""
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def time_saves(policy: Any, root: Path, *, count: int, step: int, now: Callable[[], float]) -> dict[str, Any]:
+    """``count`` timed ``policy.save_checkpoint(url, trainer_state=TrainerState(step, ...))``, each into a fresh folder
+    under ``root`` (removed after it is measured).
+
+    Returns:
+        ``{"bytes": of the first folder, "trainer_state_bytes": its trainer_state/ part, "save_s": median seconds,
+        "save_s_all": every call's seconds}``.
+    """
+    from rl.trainer_state import TRAINER_STATE, TrainerState
+
+    seconds, sizes = [], []
+    for i in range(count):
+        url = root / f"save-{i}"
+        t0 = now()
+        policy.save_checkpoint(str(url), trainer_state=TrainerState(step=step, mlflow_run_id="bench", extra={}))
+        seconds.append(now() - t0)
+        sizes.append((folder_bytes(url), folder_bytes(url / TRAINER_STATE)))
+        shutil.rmtree(url)
+    return {
+        "bytes": sizes[0][0],
+        "trainer_state_bytes": sizes[0][1],
+        "save_s": statistics.median(seconds),
+        "save_s_all": seconds,
+    }
 
 
 def grpo_step(
@@ -377,9 +486,11 @@ def table(r: dict[str, Any]) -> str:
     step, io = r["step_s"], r["dataplane"]
     mfu = "n/a" if r["update_mfu"] is None else f"{r['update_mfu']:.1%}"
     warm = "no warm-up: one step" if r["warmup_step_s"] is None else f"after a {r['warmup_step_s']:.2f} s warm-up step"
+    lora = r.get("lora")
+    training = "full fine-tuning" if not lora else f"LoRA {lora_label(lora)}"
     lines = [
-        f"# One GRPO step: {r['generation_backend']} generation ({r['loop']} loop), {r['policy_backend']} policy "
-        f"({r['device']}: {r['device_name']}, torch {r['torch']})",
+        f"# One GRPO step: {r['generation_backend']} generation ({r['loop']} loop), {r['policy_backend']} policy, "
+        f"{training} ({r['device']}: {r['device_name']}, torch {r['torch']})",
         "",
         f"`{r['command']}`",
         "",
@@ -401,6 +512,21 @@ def table(r: dict[str, Any]) -> str:
         f"| update tokens (sum of input_lengths), tok/s | {r['update_tokens']:,}, {r['update_tok_per_s']:,.0f} |",
         f"| update MFU | {mfu} |",
     ]
+    if "trainable_params" in r:
+        peak = r["peak_memory_gib"]
+        lines += [
+            f"| trainable parameters | {r['trainable_params']:,} ({r['trainable_params'] / r['params']:.2%}) |",
+            f"| peak memory of the steps ({r['peak_memory_source']}) | "
+            + ("n/a" if peak is None else f"{peak:.2f} GiB")
+            + " |",
+        ]
+    ckpt = r.get("checkpoint")
+    if ckpt:
+        lines.append(
+            f"| checkpoint with trainer state | {ckpt['bytes'] / 2**20:,.1f} MiB (trainer state "
+            f"{ckpt['trainer_state_bytes'] / 2**20:,.1f} MiB), saved in {ckpt['save_s']:.3f} s "
+            f"(median of {len(ckpt['save_s_all'])}) |"
+        )
     decode = r.get("decode")
     if decode:
         sdpa = r.get("sdpa") or {}
@@ -431,6 +557,11 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lora_label(lora: dict[str, Any]) -> str:
+    """``r=16 alpha=32 all-linear``: a ``policy.lora`` mapping in a line."""
+    return f"r={lora['rank']} alpha={lora['alpha']:g} {','.join(lora['target_modules'])}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     cuda, now = select_device(args.device)
@@ -438,6 +569,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         workdir = Path(args.workdir or tmp)
         path = model_path(args, workdir)
+        reset_peak_memory(cuda)  # a random model just built here is no part of the step's memory
         cfg = config_from_dict(
             {
                 "model": {"name": path, "precision": args.precision},
@@ -447,7 +579,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "max_new_tokens": args.max_new_tokens,
                     "cuda_graphs": args.cuda_graphs,
                 },
-                "policy": {"backend": args.policy_backend},
+                "policy": {"backend": args.policy_backend, "lora": lora_settings(args)},
                 "dataplane": {"root": str(workdir / "dataplane")},
             }
         )
@@ -456,9 +588,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             steps = run_steps(path, cfg, backends, repeats=args.repeats, now=now)
             record = describe(args, argv, path=path, cuda=cuda, params=shape["params"], gen=backends[1])
             record |= summarize(steps, shape, cuda=cuda)
+            record |= {
+                "lora": lora_settings(args),
+                "trainable_params": trainable_params(backends[2]),
+                "peak_memory_gib": peak_memory_gib(cuda),
+                "peak_memory_source": "torch.cuda.max_memory_allocated" if cuda else "VmHWM",
+            }
             emit(args, record | {"partial": True, "steps": steps})
-            decode = decode_comparison(args, path, cfg, backends, cuda=cuda, now=now)
-    record |= {"decode": decode, "calls": args.calls, "steps": steps} | decode_figures(decode)
+            if args.saves:
+                workdir.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(prefix="checkpoints-", dir=workdir) as root:
+                    ckpt = time_saves(backends[2], Path(root), count=args.saves, step=args.repeats, now=now)
+                record["checkpoint"] = ckpt
+            record["steps"] = steps
+            if not args.no_decode:
+                decode = decode_comparison(args, path, cfg, backends, cuda=cuda, now=now)
+                record |= {"decode": decode, "calls": args.calls} | decode_figures(decode)
     text = table(record)
     print(text, end="")
     if args.out:

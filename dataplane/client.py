@@ -389,19 +389,24 @@ class DataPlane:
 
     def _check_landed(self, part: str, record: dict[str, Any], upload: Any, fields: list[str]) -> None:
         """After a commit: make sure that no garbage collection removes, or has removed, the data file it names
-        (``dataplane.gc``: a collection claims a file before its last read of the commit records, and withdraws the
-        claim after removing the file). A claimed file: upload the same bytes under a new name and commit that instead
-        (the claim's collection may remove the old name whatever it read); a removed one: upload it again. Then check
-        once more. ``upload(path)`` writes the write's bytes to ``path``.
+        (``dataplane.gc``: a collection claims a file, with an object beside it, before its last read of the commit
+        records, then withdraws the claim from a file it kept or marks it on a file it removed; one listing of the
+        file's stem shows the claims and the file). An unmarked claim: upload the same bytes under a new name and
+        commit that instead (the claim's collection may remove the old name whatever it read); a claim marked since
+        the last look, or no file: upload it again under its name. Then check once more. ``upload(path)`` writes the
+        write's bytes to ``path``.
 
         Raises:
             IntegrityError: the file is claimed or gone again after the second upload (the write is lost; never
                 returned as done).
         """
         write_id = record["write_id"]
+        seen: set[str] = set()  # marked claims already answered by an upload: their collections are done
         for attempt in range(2):
             data = paths.join(part, record["file"])
-            if gc.claims_on(self.fs, data, self._io):  # first the claims, then the file (see dataplane.gc)
+            state = gc.file_state(self.fs, data, self._io)  # one listing: the claims on the file, and the file
+            removed = set(state.removed) - seen
+            if state.claims:
                 if attempt:
                     break
                 name = commits.new_file_name(write_id)
@@ -409,11 +414,12 @@ class DataPlane:
                 self._io(f"write {copy}", lambda copy=copy: upload(copy))
                 record = {**record, "file": f"data/{name}.parquet"}  # same bytes: same size and checksum
                 self._put_atomic(paths.commit_path(part, write_id), commits.encode(record))
-            elif self._io(f"check {data}", lambda data=data: self.fs.exists(data)):
+            elif state.present and not removed:  # a file seen beside a marked claim may be gone by now
                 return
             elif attempt:
                 break
             else:
+                seen |= removed
                 self._io(f"write {data}", lambda data=data: upload(data))
         msg = (
             f"data plane write {write_id} of {fields}: its data file {data} was removed after the upload, twice (or "

@@ -3,14 +3,21 @@ left, once older than a grace period on the store's own clock. ``DataPlane.colle
 this module holds no client state (the caller passes its filesystem, retry wrapper and commit-record reader).
 
 Removal beside writers, without relying on clocks: a collection *claims* each data file it means to remove (an empty
-object ``{partition}/_gc/{file stem}.{collection id}``, :func:`claim_path`) before it reads the commit records again,
-removes only the files that those records still do not name, then withdraws its claims. A writer, after writing its
-commit record, looks for claims on its file (:func:`claims_on`) before it checks that the file is there. Whatever the
-pauses of either party, one of them sees the other (a collection that reads the records before the commit wrote its
-claim before that, and keeps it until after its removal): either the collection sees the commit and keeps the file,
-or the writer sees the claim (and commits a copy under a new name), or the writer sees the file gone (the claim
-withdrawn after the removal) and uploads it again. A claim left by a collection killed midway stays until its
-partition is cleared; it only ever makes a writer of that file commit a copy.
+object beside it, ``{partition}/data/{file stem}.gc-{collection id}``, :func:`claim_path`) before it reads the commit
+records again, removes only the files that those records still do not name, then withdraws its claims on the files
+it kept and marks those on the files it removed (rewrites them as :data:`REMOVED`; they stay until the partition is
+cleared). A writer, after writing its commit record, lists its file's stem (:func:`file_state`): one listing shows the
+claims on its file, with their marks, and the file. Whatever the pauses of either party, and in whatever order the
+listing sees these names (it needs only to show every write completed before it began, as S3's do):
+
+- a collection whose claim the writer does not see read the records again after the commit (the writer looked
+  before the claim was written; a claim is withdrawn only from a kept file), and keeps the file;
+- a claim seen unmarked: its collection may still remove the file, so the writer commits a copy under a new name;
+- a claim seen marked, or no file: the file was removed (whatever the listing saw of the file), and the writer
+  uploads it again under its name, which that collection no longer touches.
+
+A claim left unmarked by a collection killed midway stays until its partition is cleared; it only ever makes a
+writer of that file commit a copy.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from dataplane import paths
 from dataplane.errors import DataPlaneWarning
@@ -37,8 +44,17 @@ upload started has missed that deadline and does not commit."""
 LEFTOVER_MARKS = (".tmp-", ".old-")
 """Name parts of temporary objects that an interrupted write leaves (commit temps, checkpoint staging folders)."""
 
-CLAIMS_DIR = "_gc"
-"""Folder of a partition that holds the claims of collections in progress (see the module docstring)."""
+CLAIM_MARK = ".gc-"
+"""What follows a data file's stem in the name of a claim on it (see the module docstring): one listing of the names
+that start with ``{stem}.`` finds the file and its claims; a claim is neither a data file (``*.parquet``) nor a
+temporary object (:data:`LEFTOVER_MARKS`)."""
+
+REMOVED = b"removed"
+"""Content of a claim whose collection removed the file (an unmarked claim is empty): :func:`file_state` tells them
+apart by size, in the same listing."""
+
+DATA_SUFFIX = ".parquet"
+"""Suffix of a data file's name (``dataplane.paths.data_path``)."""
 
 
 def collect_garbage(
@@ -101,7 +117,7 @@ def collect_garbage(
         if commits is None:  # cleared since the listing: nothing of it to keep
             continue
         named = {paths.join(part, c["file"]) for c in commits}
-        candidates = [p for p in names if p.startswith(part + "/data/") and p.endswith(".parquet") and p not in named]
+        candidates = [p for p in names if p.startswith(part + "/data/") and p.endswith(DATA_SUFFIX) and p not in named]
         orphans += remove_unnamed(fs, part, [p for p in candidates if old_enough([p])], io=io, commits_of=commits_of)
     if unknown:
         warnings.warn(
@@ -125,50 +141,80 @@ def remove_unnamed(
 ) -> list[str]:
     """Remove those of ``candidates`` (data files of partition folder ``part``) that no commit record names, safely
     beside writers: claim them all, read the commit records again, remove the files still unnamed, then withdraw the
-    claims (also when a step fails). See the module docstring for why no write that returns loses its file.
+    claims on the files kept and mark those on the files removed (also when a step fails; a file whose removal failed
+    keeps its claim unmarked; see the module docstring). Requests: two per file kept (its claim written and removed),
+    three per file removed.
 
     Returns:
         the files removed.
     """
     if not candidates:
         return []
-    claims = [claim_path(p, uuid.uuid4().hex) for p in candidates]
+    claims = {p: claim_path(p, uuid.uuid4().hex) for p in candidates}
+    tried: list[str] = []  # removals sent; a failed one (done or not) leaves its claim unmarked
     removed: list[str] = []
     try:
-        for claim in claims:
+        for claim in claims.values():
             io(f"write {claim}", lambda claim=claim: _touch(fs, claim))
         commits = commits_of(part)  # after the claims: a commit not seen here sees a claim
         named = set() if commits is None else {paths.join(part, c["file"]) for c in commits}
         for path in candidates:
             if path not in named:
+                tried.append(path)
                 io(f"delete {path}", lambda path=path: rm_quiet(fs, path))
                 removed.append(path)
-    finally:  # after the removals: a writer that finds no claim then finds its file gone, if it was removed
-        for claim in claims:
-            io(f"delete {claim}", lambda claim=claim: rm_quiet(fs, claim))
+    finally:  # after the removals: a writer that sees a marked claim uploads its file again
+        for path, claim in claims.items():
+            if path in removed:
+                io(f"mark {claim}", lambda claim=claim: fs.pipe_file(claim, REMOVED))
+            elif path not in tried:
+                io(f"delete {claim}", lambda claim=claim: rm_quiet(fs, claim))
     return removed
 
 
 def claim_path(data: str, collection: str) -> str:
     """The claim of collection ``collection`` (hex id) on data file ``data`` (``{partition}/data/{stem}.parquet``):
-    ``{partition}/_gc/{stem}.{collection}``."""
+    ``{partition}/data/{stem}.gc-{collection}``."""
+    return f"{data.removesuffix(DATA_SUFFIX)}{CLAIM_MARK}{collection}"
+
+
+class FileState(NamedTuple):
+    """What one listing of a data file's stem found (:func:`file_state`)."""
+
+    claims: list[str]
+    """the unmarked claims on the file: collections that may still remove it ([] when none)"""
+    removed: list[str]
+    """the marked claims on the file: collections that removed it ([] when none)"""
+    present: bool
+    """whether the listing saw the file"""
+
+
+def file_state(fs: Any, data: str, io: Callable[[str, Callable[[], Any]], Any]) -> FileState:
+    """The claims on data file ``data`` and whether it is there, from one listing (with sizes) of the names that
+    start with its stem: on S3 one LIST request; a local folder is read whole. Needs no order or snapshot of the
+    listing (see the module docstring)."""
     folder, name = data.rsplit("/", 1)
-    return paths.join(folder.rsplit("/", 1)[0], CLAIMS_DIR, f"{name.removesuffix('.parquet')}.{collection}")
-
-
-def claims_on(fs: Any, data: str, io: Callable[[str, Callable[[], Any]], Any]) -> list[str]:
-    """The claims of collections in progress on data file ``data`` (one prefix listing; [] when there are none)."""
-    folder, stem = claim_path(data, "").rsplit("/", 1)  # stem: "{data file stem}."
-    try:  # prefix: one LIST on an object store; stores that ignore it list the folder (usually absent)
-        found = io(f"list {folder}", lambda: fs.find(folder, prefix=stem))
+    stem = name.removesuffix(DATA_SUFFIX)
+    try:  # prefix "{stem}.": the file and its claims, no other file (a stem is unique: commits.new_file_name)
+        found = io(f"list {data}", lambda: fs.find(folder, prefix=f"{stem}.", detail=True))
     except FileNotFoundError:
-        return []
-    return [p for p in found if p.rsplit("/", 1)[-1].startswith(stem)]
+        found = {}
+    sizes = {p.rsplit("/", 1)[-1]: info.get("size") for p, info in found.items()}  # s3fs names lack the protocol
+    claims = sorted(n for n in sizes if n.startswith(f"{stem}{CLAIM_MARK}"))
+    return FileState(
+        claims=[f"{folder}/{n}" for n in claims if not sizes[n]],
+        removed=[f"{folder}/{n}" for n in claims if sizes[n]],
+        present=name in sizes,
+    )
+
+
+def _is_local(fs: Any) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
 def _touch(fs: Any, path: str) -> None:
     """Write an empty object at ``path`` (its folder made first on a local filesystem)."""
-    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+    if _is_local(fs):
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(path, b"")
 

@@ -51,6 +51,10 @@ def start_run(cfg: RunConfig) -> RunInfo:
         from rl.backends.megatron.model import check_model
 
         check_model(AutoConfig.from_pretrained(folder), cfg.policy.megatron_cfg)
+    if cfg.policy.lora is not None and os.path.isdir(folder):  # target modules the model lacks: now, not at step 1
+        from rl.lora import check_targets
+
+        check_targets(folder, cfg.policy.lora)
     _check_lengths(cfg, folder)
     model_path = _shared(cfg, resolved, folder, local=local)
     if cfg.checkpointing.resume_run_id:

@@ -48,9 +48,10 @@ def make_optimizer(params: Any, cfg: GRPOConfig) -> tuple[torch.optim.Optimizer,
     + ConstantLR).
 
     Args:
-        params: the parameters to train (a module's ``parameters()`` or a list); a module is accepted too.
+        params: the parameters to train (a module's ``parameters()`` or a list); a module is accepted too. Those
+            that do not require grad (a LoRA policy's frozen base) are left out: they get no AdamW state.
     """
-    params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
+    params = [p for p in (params.parameters() if isinstance(params, torch.nn.Module) else params) if p.requires_grad]
     fused = bool(params) and all(
         p.device.type == "cuda" and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params
     )

@@ -243,16 +243,26 @@ def config_root(cls: type[T]) -> type[T]:
     return cls
 
 
+def section_type(hint: Any) -> type | None:
+    """The dataclass of a section field annotated ``hint``: ``S`` for ``S`` (a section that is always there) and for
+    ``S | None`` (an optional section, null where unset, such as ``policy.lora``); None for any other field."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = options[0] if len(options) == 1 else None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
 def sections(root: type) -> list[tuple[str, type]]:
-    """``(dotted name, dataclass)`` of every section under the config dataclass ``root``, depth-first in field order
-    (``("generation", GenerationConfig), ("generation.vllm_cfg", VLLMConfig), ...``)."""
+    """``(dotted name, dataclass)`` of every section under the config dataclass ``root``, optional ones (``S | None``)
+    included, depth-first in field order (``("generation", GenerationConfig), ("generation.vllm_cfg", VLLMConfig),
+    ...``)."""
     out: list[tuple[str, type]] = []
 
     def walk(cls: type, prefix: str) -> None:
         for name, hint in field_hints(cls).items():
-            if dataclasses.is_dataclass(hint):
-                out.append((f"{prefix}{name}", hint))
-                walk(hint, f"{prefix}{name}.")
+            if (section := section_type(hint)) is not None:
+                out.append((f"{prefix}{name}", section))
+                walk(section, f"{prefix}{name}.")
 
     walk(root, "")
     return out

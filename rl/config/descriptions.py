@@ -15,7 +15,7 @@ import re
 import textwrap
 import types
 
-from rl.config.checks import field_hints, sections
+from rl.config.checks import field_hints, section_type, sections
 
 
 @functools.cache
@@ -70,7 +70,7 @@ def one_line(text: str) -> str:
 
 def document_fields(cls: type) -> None:
     """Put each field's description into its ``metadata["description"]``: its attribute docstring, else (a section
-    field without one) the docstring of its dataclass, as one line.
+    field without one, optional sections included) the docstring of its dataclass, as one line.
 
     mashumaro's ``build_json_schema`` writes that metadata as the property's ``description``, and flytekit's dataclass
     transformer puts that schema into the metadata of the input's literal type, which is registered with the
@@ -81,8 +81,9 @@ def document_fields(cls: type) -> None:
     hints = field_hints(cls)
     for f in dataclasses.fields(cls):
         doc = docs.get(f.name)
-        if doc is None and dataclasses.is_dataclass(hints.get(f.name)):
-            doc = class_doc(hints[f.name])
+        section = section_type(hints.get(f.name))
+        if doc is None and section is not None:
+            doc = class_doc(section)
         if doc and f.metadata.get("description") != one_line(doc):
             f.metadata = types.MappingProxyType({**f.metadata, "description": one_line(doc)})
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from rl.config.checks import fail, usage_error
+from rl.config.checks import fail, field_hints, section_type, usage_error
 
 if TYPE_CHECKING:
     from rl.config.sections import GRPOConfig
@@ -37,7 +38,8 @@ def build_config(data: dict[str, Any], root: type[C]) -> C:
         ValueError: naming the dotted key (``config grpo.val_at_start: ...``): an unknown key (the known ones are
             listed), a value of the wrong type (no coercion: ``"no"`` is no bool, ``3.5`` no int; a float field
             takes a number or a numeric string such as YAML 1.1's ``'1e-5'``; NaN and infinity are refused), or a
-            value out of range.
+            value out of range. An optional section (``policy.lora``) is built from a mapping (``{}``: its
+            defaults) and left None where the value is null or the key missing.
     """
 
     def build(cls: type, values: dict[str, Any], where: str) -> Any:
@@ -54,10 +56,13 @@ def build_config(data: dict[str, Any], root: type[C]) -> C:
         if unknown:
             fail(where or "root", f"unknown keys {unknown}", f"use only {sorted(known)}")
         kwargs = {}
+        hints = field_hints(cls)
         for name, value in values.items():
-            sub = known[name].default_factory
-            nested = dataclasses.is_dataclass(sub) and isinstance(sub, type)
-            kwargs[name] = build(sub, value, f"{where}.{name}" if where else name) if nested else value  # type: ignore[arg-type]
+            hint = hints.get(name)
+            section = section_type(hint)
+            unset = value is None and type(None) in typing.get_args(hint)  # null: an optional section left unset
+            nested = section is not None and not unset
+            kwargs[name] = build(section, value, f"{where}.{name}" if where else name) if nested else value
         return cls(**kwargs)
 
     return build(root, data, "")

@@ -489,6 +489,78 @@ class MegatronConfig(Section):
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
 
+LORA_ALL_LINEAR = "all-linear"
+"""``policy.lora.target_modules``: peft's name for every linear layer of the model but its output head."""
+
+
+@dataclass
+class LoRASettings(Section):
+    """LoRA (Hu et al. 2021, arXiv:2106.09685) through peft: each targeted weight W stays frozen and a trained
+    low-rank update is added, ``W + (alpha / rank) B A`` with ``A: [rank, in]``, ``B: [out, rank]`` (zeros at the
+    start, so step 0 is the base model). The names are peft's ``LoraConfig``'s (``r``, ``lora_alpha``,
+    ``lora_dropout``, ``target_modules``)."""
+
+    rank: int = 16
+    """r: the rank of the update (peft's ``r``); its trained parameters are ``rank * (in + out)`` per targeted
+    layer."""
+    alpha: float = 32.0
+    """The update is scaled by ``alpha / rank`` (peft's ``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout probability on the adapter's input, in [0, 1) (peft's ``lora_dropout``, an ``nn.Dropout``: active only
+    in a module's training mode); 0: none."""
+    target_modules: list[str] = field(default_factory=lambda: [LORA_ALL_LINEAR])
+    """The layers that get an adapter: module names matched as peft matches a list, the whole name or its last
+    dotted parts (``[q_proj, v_proj]``, ``[self_attn.o_proj]``), or ``all-linear`` (alone, as a string or a one-entry
+    list): every linear layer but the output head."""
+
+    def __post_init__(self) -> None:
+        where = "policy.lora.target_modules"
+        if isinstance(self.target_modules, str):
+            if self.target_modules != LORA_ALL_LINEAR:
+                fail(
+                    where,
+                    f"is the string {self.target_modules!r}",
+                    f"write a list of module names such as [{self.target_modules or 'q_proj'}], or {LORA_ALL_LINEAR} "
+                    "for every linear layer",
+                )
+            self.target_modules = [LORA_ALL_LINEAR]
+        check_fields(self)
+        if self.rank < 1:
+            fail("policy.lora.rank", f"is {self.rank}", "use a rank of 1 or more, e.g. 8 or 16")
+        if self.alpha <= 0:
+            fail("policy.lora.alpha", f"is {self.alpha}", "use a positive scale, e.g. twice the rank")
+        if not 0 <= self.dropout < 1:
+            fail("policy.lora.dropout", f"is {self.dropout}", "use a probability in [0, 1), e.g. 0 or 0.05")
+        if not self.target_modules:
+            fail(
+                where,
+                "is empty",
+                f"list module names such as [q_proj, v_proj], or write {LORA_ALL_LINEAR}; remove policy.lora to train "
+                "every weight",
+            )
+        for i, name in enumerate(self.target_modules):
+            if not name.strip():
+                fail(f"{where}[{i}]", f"is {name!r}", "name a module such as q_proj, or remove the entry")
+            if name != name.strip():
+                fail(f"{where}[{i}]", f"{name!r} has leading or trailing spaces", f"write {name.strip()!r}")
+        if LORA_ALL_LINEAR in self.target_modules and len(self.target_modules) > 1:
+            names = [n for n in self.target_modules if n != LORA_ALL_LINEAR]
+            fail(
+                where,
+                f"mixes {LORA_ALL_LINEAR!r}, which takes every linear layer, with the module names {names}",
+                f"write {LORA_ALL_LINEAR} alone, or list only module names",
+            )
+
+    @property
+    def peft_target_modules(self) -> str | list[str]:
+        """``target_modules`` as peft's ``LoraConfig(target_modules=...)`` takes it: the string ``"all-linear"``
+        (peft's shorthand), else a new list of the names (peft matches a list's entries as whole names or suffixes,
+        a string other than the shorthand as a regular expression)."""
+        if self.target_modules == [LORA_ALL_LINEAR]:
+            return LORA_ALL_LINEAR
+        return list(self.target_modules)
+
+
 @dataclass
 class PolicyConfig(Section):
     backend: str = "transformers"
@@ -504,10 +576,22 @@ class PolicyConfig(Section):
     ``megatron_cfg``'s model-parallel size."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     """Model parallelism of the ``megatron`` back-end."""
+    lora: LoRASettings | None = None
+    """LoRA adapters (``transformers`` back-end only): a mapping of ``rank``, ``alpha``, ``dropout`` and
+    ``target_modules`` (``{}``: their defaults) trains only the adapter, on frozen base weights; the reference policy
+    of the KL penalty is the same weights with the adapter disabled, and checkpoints hold the adapter (peft's
+    ``adapter_model.safetensors``). Null: full fine-tuning, every weight trained."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         check_name("policy", self.backend)
+        if self.lora is not None and self.backend != "transformers":
+            fail(
+                "policy.lora",
+                f"is set with policy.backend {self.backend!r}, but LoRA adapters are built with peft on the "
+                "transformers back-end only",
+                "set policy.backend to transformers, or remove policy.lora (null) to train every weight",
+            )
         for key in ("nproc_per_node", "nnodes"):
             if getattr(self, key) < 1:
                 fail(f"policy.{key}", f"is {getattr(self, key)}", "use 1 or more")

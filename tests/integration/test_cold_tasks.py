@@ -170,12 +170,14 @@ def test_two_steps_with_every_task_in_a_fresh_process(tmp_path, tiny_model_dir, 
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", [{}, {"lora": {"rank": 4, "alpha": 8.0}}], ids=["full", "lora"])
 def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(
-    tmp_path, tiny_model_dir, s3_server, mlflow_server, monkeypatch
+    tmp_path, tiny_model_dir, s3_server, mlflow_server, monkeypatch, policy
 ):
     """``resources.steps_per_task: 2`` over 3 steps: a node for steps 1-2 and one for step 3, each a fresh process.
     Step 2 (the first node's last) hands its optimizer state to the second node through storage; step 1 saves only
-    its weights (a checkpoint period of 3). The weights equal the warm run's, bit for bit."""
+    its weights (a checkpoint period of 3). The weights equal the warm run's, bit for bit. With a LoRA adapter the
+    second node loads the base model from its node cache, then the adapter and its optimizer state from storage."""
     import fsspec
     from flytekit.core.context_manager import FlyteContextManager
     from flytekit.core.type_engine import TypeEngine
@@ -202,6 +204,7 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(
             dataplane={"root": root, "storage_options": so},
             tracking={"uri": mlflow_server, "experiment_name": f"k{k}"},
             resources={"steps_per_task": k},
+            policy=policy,
         )
 
     cfg = config(f"{prefix}/cold", 2)
@@ -230,6 +233,7 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(
     warm = grpo(cfg=config(f"{prefix}/warm", 1))
     cold_w, warm_w = _weights(summary.last_checkpoint, so), _weights(warm.last_checkpoint, so)
     assert cold_w.keys() == warm_w.keys()
+    assert all((".lora_" in k) == bool(policy) for k in cold_w)  # a LoRA checkpoint: the adapter alone
     assert all(torch.equal(cold_w[k], warm_w[k]) for k in cold_w), [
         k for k in cold_w if not torch.equal(cold_w[k], warm_w[k])
     ]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,117 @@ def test_neither_flyte_nor_mlflow_is_imported(bench_run):
     assert "IMPORTED []" in stdout.splitlines()
     assert record["device"] == "cpu" and record["params"] > 0
     assert "| update MFU |" in stdout and record["command"] in stdout
+
+
+def test_full_fine_tuning_records_every_parameter_and_the_peak_rss(bench_run):
+    record, stdout = bench_run
+    assert record["lora"] is None and record["trainable_params"] == record["params"]
+    assert record["peak_memory_source"] == "VmHWM" and 0 < record["peak_memory_gib"] < 64
+    assert f"| trainable parameters | {record['params']:,} (100.00%) |" in stdout
+    assert "full fine-tuning (cpu:" in stdout and "checkpoint" not in record  # no --saves: no checkpoint timed
+
+
+def test_lora_flags_make_the_policy_lora_section():
+    from bench.step import lora_settings, parse_args
+    from rl.config import config_from_dict
+
+    assert lora_settings(parse_args([])) is None
+    settings = lora_settings(parse_args(["--lora-rank", "8"]))
+    assert settings == {"rank": 8, "alpha": 16.0, "target_modules": ["all-linear"]}
+    args = parse_args(["--lora-rank", "4", "--lora-alpha", "2", "--lora-targets", "q_proj, v_proj", "--no-decode"])
+    assert lora_settings(args) == {"rank": 4, "alpha": 2.0, "target_modules": ["q_proj", "v_proj"]}
+    assert args.no_decode is True and args.saves == 0
+    lora = config_from_dict({"policy": {"lora": lora_settings(args)}}).policy.lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (4, 2.0, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank"),
+        (["--lora-rank", "8", "--lora-targets", " , "], "--lora-targets is empty"),
+        (["--saves", "-1"], "--saves is -1"),
+    ],
+)
+def test_bad_lora_and_save_flags_are_refused(argv, fragment, capsys):
+    from bench.step import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert fragment in capsys.readouterr().err
+
+
+def test_peak_memory_is_vmhwm_in_gib():
+    from bench.step import peak_memory_gib, reset_peak_memory
+
+    assert peak_memory_gib(False, "VmPeak:\t 9 kB\nVmHWM:\t  1572864 kB\nVmRSS:\t 7 kB\n") == 1.5
+    assert peak_memory_gib(False, "VmRSS:\t 7 kB\n") is None
+    if not torch.cuda.is_available():
+        reset_peak_memory(False)
+        assert 0 < peak_memory_gib(False) < 64
+
+
+def _policy(model_dir: str, tmp: Path, lora: dict | None):
+    """The transformers policy at version 0 with AdamW's state filled (one zero-gradient step), as after an update."""
+    from rl.backends import registry
+    from rl.backends.interfaces import PolicyVersion
+    from rl.config import config_from_dict
+    from rl.model import load_tokenizer
+
+    cfg = config_from_dict(
+        {"policy": {"lora": lora}, "model": {"precision": "float32"}, "dataplane": {"root": str(tmp / "dp")}}
+    )
+    policy = registry.load("policy", "transformers")(cfg, tokenizer=load_tokenizer(model_dir), reference_path=model_dir)
+    policy.load_checkpoint(PolicyVersion(step=0, path=model_dir), with_optimizer=True)
+    for p in policy.model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    policy._optimizer.step()
+    return policy
+
+
+def test_lora_trains_and_saves_the_adapter_only(tiny_model_dir, tmp_path):
+    """Trainable parameters: all of them, or rank * (in + out) per linear layer but the LM head (LoRA, Hu et al.
+    2021); a checkpoint with trainer state holds fp32 weights (4 bytes each) and AdamW's two moments (8 bytes per
+    trainable parameter)."""
+    from bench.step import time_saves, trainable_params
+
+    sides = {}
+    for name, lora in (("full", None), ("lora", {"rank": 2, "alpha": 4.0})):
+        policy = _policy(tiny_model_dir, tmp_path / name, lora)
+        try:
+            linear = [
+                m for n, m in policy.model.named_modules() if type(m) is torch.nn.Linear and not n.endswith("lm_head")
+            ]
+            params = sum(p.numel() for p in {id(p): p for p in policy.model.parameters()}.values())
+            saved = time_saves(policy, tmp_path / name / "ckpt", count=2, step=3, now=time.perf_counter)
+            sides[name] = (trainable_params(policy), params, linear, saved)
+        finally:
+            policy.shutdown()
+        assert list((tmp_path / name / "ckpt").iterdir()) == []  # every save removed once measured
+        assert len(saved["save_s_all"]) == 2 and saved["save_s"] == statistics.median(saved["save_s_all"])
+    full_trainable, params, linear, full = sides["full"]  # the plain model's linear layers
+    lora_trainable, _, _, lora = sides["lora"]
+    assert full_trainable == params
+    assert lora_trainable == sum(2 * (m.in_features + m.out_features) for m in linear) > 0
+    assert full["trainer_state_bytes"] > 8 * full_trainable
+    assert 8 * lora_trainable < lora["trainer_state_bytes"] < 8 * full_trainable
+    assert full["bytes"] - full["trainer_state_bytes"] > 4 * params  # the whole model's weights
+    assert lora["bytes"] - lora["trainer_state_bytes"] < 4 * params  # the adapter (and tokenizer) only
+
+
+def test_table_names_the_adapter_and_the_checkpoint(bench_run):
+    from bench.step import table
+
+    record, _ = bench_run
+    lora = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
+    checkpoint = {"bytes": 2 * 2**20, "trainer_state_bytes": 2**19, "save_s": 0.5, "save_s_all": [0.4, 0.5, 0.9]}
+    text = table({**record, "lora": lora, "trainable_params": record["params"] // 4, "checkpoint": checkpoint})
+    assert ", LoRA r=8 alpha=16 q_proj,v_proj (cpu:" in text
+    assert (
+        f"| trainable parameters | {record['params'] // 4:,} ({record['params'] // 4 / record['params']:.2%}) |" in text
+    )
+    assert "| checkpoint with trainer state | 2.0 MiB (trainer state 0.5 MiB), saved in 0.500 s (median of 3) |" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no CUDA device")

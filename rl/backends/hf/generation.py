@@ -104,6 +104,7 @@ class HFGeneration(GenerationBackend):
 
     def refit(self, version: PolicyVersion, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         from rl.checkpoint import local_folder
+        from rl.lora import is_adapter_folder, merged_model
 
         if weights is None:
             dtype = self._dtype()
@@ -112,7 +113,10 @@ class HFGeneration(GenerationBackend):
             with local_folder(
                 version.path, so, require_complete=version.step > 0, weights_only=True, dtype=serving
             ) as folder:
-                self._model = load_model(folder, dtype=dtype)
+                if is_adapter_folder(folder):  # a LoRA checkpoint: the base model with the adapter merged in
+                    self._model = merged_model(self._model_path, folder, dtype=dtype)
+                else:
+                    self._model = load_model(folder, dtype=dtype)
         else:
             if self._model is None:
                 self._model = load_model(self._model_path, dtype=self._dtype())

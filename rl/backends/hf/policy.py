@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dataplane import fields as F
-from rl import checkpoint
+from rl import checkpoint, lora
 from rl.backends.hf import train as hf_train
 from rl.backends.hf.lm_head import lm_head
 from rl.backends.hf.logprobs import batched_logprobs, hidden_states
@@ -29,6 +29,11 @@ class HFPolicy(TrainablePolicy):
     the reference policy (a reference-logprob pod) never loads the policy, and one that only reads logprobs
     never builds an optimizer.
 
+    With ``policy.lora`` (`rl.lora`) the policy is the base model with a peft LoRA adapter injected: only the adapter
+    trains (its gradients and AdamW state, nothing else), the reference policy is the same module with the adapter
+    disabled (a base model loaded earlier for reference logprobs becomes the policy's base: one model in memory),
+    checkpoints hold the adapter, and :meth:`named_weights` gives the merged weights under the base model's names.
+
     Args:
         cfg: the run's config (``model.precision``, ``optim``, ``loss``, ``generation.temperature``).
         tokenizer: the model's tokenizer (saved into every checkpoint).
@@ -36,32 +41,56 @@ class HFPolicy(TrainablePolicy):
     """
 
     name = "transformers"
+    _peft: Any = None
+    """The peft wrapper of the held policy under ``policy.lora`` (its base model is :attr:`model`); else None."""
 
     # ------------------------------------------------------------------------------------------ state
     def _load_weights(self, folder: str) -> torch.nn.Module:
-        return load_model(folder)
+        settings = self._cfg.policy.lora
+        if settings is None:
+            return load_model(folder)
+        base = self._reference  # the reference policy loaded earlier in this process: the adapter's base now
+        if base is None:
+            base = load_model(self._reference_path, dtype=self._reference_dtype())
+        self._reference = None  # from now on the reference is the policy with its adapter disabled
+        self._peft = lora.load_policy(base, folder, settings, seed=self._cfg.grpo.seed)
+        return self._peft.get_base_model()
+
+    def _drop_weights(self) -> None:
+        super()._drop_weights()
+        self._peft = None
 
     def save_checkpoint(self, url: str, *, trainer_state: Any | None = None, serving_dtype: str | None = None) -> str:
         with_state = trainer_state is not None
         return checkpoint.save(
             url,
-            model=self.model,
+            model=self._peft if self._peft is not None else self.model,  # a LoRA checkpoint: the adapter only
             tokenizer=self._tokenizer,
             optimizer=self._optimizer if with_state else None,
             scheduler=self._scheduler if with_state else None,
             state=trainer_state,
             storage_options=self._cfg.dataplane.storage_options,
-            serving_dtype=serving_dtype,
+            serving_dtype=serving_dtype if self._peft is None else None,  # generation merges base and adapter
         )
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        if self._peft is not None:
+            return lora.merged_weights(self._peft)
         return self.model.state_dict().items()
 
     # ------------------------------------------------------------------------------------ forward passes
     def load_reference_policy(self) -> None:
-        if self._reference is None:
+        if self._reference is None and self._peft is None:  # under LoRA a held policy is its own reference
             self._reference = load_model(self._reference_path, dtype=self._reference_dtype())
             self._reference.requires_grad_(False)
+
+    def get_reference_policy_logprobs(
+        self, batch: Mapping[str, torch.Tensor], *, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
+        if self._peft is not None:  # LoRA: the policy's base weights, adapter disabled
+            with lora.adapter_disabled(self._peft):
+                return self._logprobs(self.model, batch, micro_batch_size)
+        return super().get_reference_policy_logprobs(batch, micro_batch_size=micro_batch_size)
 
     def _reference_dtype(self) -> torch.dtype:
         """bfloat16 on CUDA where ``model.precision`` resolves to bfloat16: the frozen reference needs no float32

@@ -127,6 +127,7 @@ def _embedding_grads_by_row(model: torch.nn.Module) -> Iterator[None]:
     emb = model.get_input_embeddings()
     if (
         type(emb) is not torch.nn.Embedding
+        or not emb.weight.requires_grad  # frozen (a LoRA policy's base): no gradient to accumulate
         or emb.max_norm is not None
         or emb.scale_grad_by_freq
         or on_accelerator(emb.weight.device)

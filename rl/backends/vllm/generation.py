@@ -349,11 +349,16 @@ class VLLMGeneration(GenerationBackend):
             so = self._cfg.dataplane.storage_options
             # the checkpoint's copy in the engine's dtype where it has one; never the trainer state
             part = {"require_complete": version.step > 0, "weights_only": True, "dtype": self._serving_dtype()}
-            if self._llm is None:  # the engine keeps reading its model folder: a copy of a remote one stays
+            adapter = self._cfg.policy.lora is not None and version.step > 0  # a LoRA checkpoint holds the adapter
+            if (
+                self._llm is None and not adapter
+            ):  # the engine keeps reading its model folder: a remote one's copy stays
                 self._start(local_copy(version.path, so, **part))
             else:
+                if self._llm is None:  # the engine starts on the base model, then takes the merged weights
+                    self._start(self._model_path)
                 with local_folder(version.path, so, **part) as folder:
-                    self._reload(_checkpoint_weights(folder), version.step)
+                    self._reload(_folder_weights(folder, self._model_path), version.step)
         else:
             if self._llm is None:
                 self._start(self._model_path)
@@ -543,6 +548,16 @@ def _layers_left_unloaded() -> Iterator[list[str]]:
         yield found
     finally:
         logger.removeFilter(take)
+
+
+def _folder_weights(folder: str, base_folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the checkpoint folder ``folder``: its own weights (:func:`_checkpoint_weights`), or, where it
+    holds a LoRA adapter (`rl.lora`), the base model of ``base_folder`` with the adapter merged in."""
+    from rl.lora import is_adapter_folder, merged_weights, saved_adapter
+
+    if is_adapter_folder(folder):
+        return merged_weights(saved_adapter(base_folder, folder, device="cpu"))
+    return _checkpoint_weights(folder)
 
 
 def _checkpoint_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

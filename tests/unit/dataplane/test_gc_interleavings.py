@@ -7,14 +7,17 @@ two parties run in two threads; each stops at a gate before each of its steps un
 of the two step sequences) lets it on, so a step runs while the other party waits at a gate:
 
 - the writer (``DataPlane.write_columns``): ``U`` upload its data file, ``D`` check its commit deadline, ``C`` write
-  its commit record, ``K`` look for claims on its file, ``F`` check that the file is there, ``R`` return;
+  its commit record, then its one listing of its file's stem (``dataplane.gc.file_state``) as two steps, ``K`` see
+  the claims on the file and ``F`` see the file, ``R`` return;
 - the collection (``DataPlane.collect_garbage``): ``l`` list the run, ``r`` read the commit records, ``c`` claim the
   files it means to remove, ``e`` read the commit records again, ``d`` remove the files still unnamed, ``x`` withdraw
-  its claims.
+  its claims on the files it kept, mark those on the files it removed.
 
-A step that a party skips in a schedule (the collection has nothing to claim when the commit was read first) drops out
-of it. What a party does between two gates (the writer's repair: a copy committed under a new name, or the file
-uploaded again) runs whole while the other waits.
+The listing's two steps run in both orders (``UDCKFR`` and ``UDCFKR``: 924 schedules each), since a listing need not
+see the names it returns at one instant nor in any order. A step that a party skips in a schedule (the collection has
+nothing to claim when the commit was read first) drops out of it. What
+a party does between two gates (the writer's repair: a copy committed under a new name, or the file uploaded again,
+and its second check) runs whole while the other waits.
 """
 
 from __future__ import annotations
@@ -30,12 +33,20 @@ from dataplane import client, gc
 from dataplane.client import DataPlane
 
 PART = "step_000001"
-WRITER = ("U", "D", "C", "K", "F", "R")
+WRITERS = {"claims_first": ("U", "D", "C", "K", "F", "R"), "file_first": ("U", "D", "C", "F", "K", "R")}
 COLLECTOR = ("l", "r", "c", "e", "d", "x")
-SCHEDULES = [
-    "".join(WRITER[mine.index(i)] if i in mine else COLLECTOR[i - sum(j < i for j in mine)] for i in range(12))
-    for mine in itertools.combinations(range(12), len(WRITER))
-]
+
+
+def _merges(writer: tuple[str, ...]) -> list[str]:
+    """Every merge of ``writer``'s steps with the collection's, each party's steps in their order."""
+    n = len(writer) + len(COLLECTOR)
+    return [
+        "".join(writer[mine.index(i)] if i in mine else COLLECTOR[i - sum(j < i for j in mine)] for i in range(n))
+        for mine in itertools.combinations(range(n), len(writer))
+    ]
+
+
+SCHEDULES = [(listing, order) for listing, writer in WRITERS.items() for order in _merges(writer)]
 GATE_TIMEOUT_S = 30.0  # a party waiting longer than this at a gate means the schedule is stuck (a bug in the test)
 
 
@@ -43,15 +54,15 @@ class Schedule:
     """Lets the two parties' steps run one at a time, in the order of ``order`` (one letter per step, see the module
     docstring; the writer's letters are upper case)."""
 
-    def __init__(self, order: str) -> None:
+    def __init__(self, order: str, writer: tuple[str, ...]) -> None:
         self.order = list(order)
+        self.writer = writer
         self.running: dict[str, str | None] = {"writer": None, "collector": None}
         self.seen: dict[str, set[str]] = {"writer": set(), "collector": set()}
         self.cond = threading.Condition()
 
-    @staticmethod
-    def steps(party: str) -> tuple[str, ...]:
-        return WRITER if party == "writer" else COLLECTOR
+    def steps(self, party: str) -> tuple[str, ...]:
+        return self.writer if party == "writer" else COLLECTOR
 
     def _finish_step(self, party: str) -> None:
         step = self.running[party]
@@ -88,37 +99,41 @@ def _party() -> str:
     return threading.current_thread().name
 
 
+def _is_claim(path: str) -> bool:
+    return "/data/" in path and gc.CLAIM_MARK in path.rsplit("/", 1)[-1]
+
+
 def _install_gates(monkeypatch, fs, schedule: Schedule) -> None:
     """Gates before each step of the writer and the collection, told apart by their threads' names."""
-    real_pipe, real_rm, real_exists, real_find = fs.pipe_file, fs.rm, fs.exists, fs.find
+    real_pipe, real_rm, real_find = fs.pipe_file, fs.rm, fs.find
 
-    def pipe_file(path, *args, **kwargs):
-        if _party() == "writer" and "/data/" in path and path.endswith(".parquet"):
+    def pipe_file(path, value, *args, **kwargs):
+        if _party() == "writer" and "/data/" in path and path.endswith(gc.DATA_SUFFIX):
             schedule.gate("writer", "U")
-        elif _party() == "collector" and f"/{gc.CLAIMS_DIR}/" in path:
-            schedule.gate("collector", "c")
-        return real_pipe(path, *args, **kwargs)
+        elif _party() == "collector" and _is_claim(path):
+            schedule.gate("collector", "x" if value == gc.REMOVED else "c")
+        return real_pipe(path, value, *args, **kwargs)
 
     def rm(path, *args, **kwargs):
-        if _party() == "collector" and "/data/" in path:
+        if _party() == "collector" and "/data/" in path and path.endswith(gc.DATA_SUFFIX):
             schedule.gate("collector", "d")
-        elif _party() == "collector" and f"/{gc.CLAIMS_DIR}/" in path:
+        elif _party() == "collector" and _is_claim(path):
             schedule.gate("collector", "x")
         return real_rm(path, *args, **kwargs)
-
-    def exists(path, *args, **kwargs):
-        if _party() == "writer":
-            schedule.gate("writer", "F")
-        return real_exists(path, *args, **kwargs)
 
     def find(path, *args, **kwargs):
         if _party() == "collector" and kwargs.get("withdirs"):
             schedule.gate("collector", "l")
-        return real_find(path, *args, **kwargs)
+        if not (_party() == "writer" and kwargs.get("prefix")):  # not the writer's check: the partition's listing
+            return real_find(path, *args, **kwargs)
+        seen = {}  # the check's listing, as its two steps: what it returns of each kind, seen at the step's turn
+        for step in (s for s in schedule.writer if s in "KF"):
+            schedule.gate("writer", step)
+            seen[step] = {p: i for p, i in real_find(path, *args, **kwargs).items() if _is_claim(p) == (step == "K")}
+        return {**seen["K"], **seen["F"]}
 
     monkeypatch.setattr(fs, "pipe_file", pipe_file)
     monkeypatch.setattr(fs, "rm", rm)
-    monkeypatch.setattr(fs, "exists", exists)
     monkeypatch.setattr(fs, "find", find)
 
     real_put_atomic, real_snapshot = DataPlane._put_atomic, DataPlane._snapshot
@@ -139,15 +154,6 @@ def _install_gates(monkeypatch, fs, schedule: Schedule) -> None:
     monkeypatch.setattr(DataPlane, "_put_atomic", put_atomic)
     monkeypatch.setattr(DataPlane, "_snapshot", snapshot)
 
-    if hasattr(gc, "claims_on"):
-        real_claims = gc.claims_on
-
-        def claims_on(*args, **kwargs):
-            schedule.gate("writer", "K")
-            return real_claims(*args, **kwargs)
-
-        monkeypatch.setattr(gc, "claims_on", claims_on)
-
     calls = []
 
     def monotonic():  # the writer's second reading of its clock is its deadline check
@@ -161,15 +167,25 @@ def _install_gates(monkeypatch, fs, schedule: Schedule) -> None:
     monkeypatch.setattr(client, "time", SimpleNamespace(monotonic=monotonic))
 
 
-@pytest.mark.parametrize("order", SCHEDULES)
-def test_no_interleaving_loses_a_write_that_returned(tmp_path, monkeypatch, order):
+def test_the_schedules_are_every_merge():
+    """C(12, 6) merges of the writer's 6 steps with the collection's 6, for each order of the listing's two steps."""
+    assert {listing: sum(s == listing for s, _ in SCHEDULES) for listing in WRITERS} == {
+        "claims_first": 924,
+        "file_first": 924,
+    }
+    assert len(set(SCHEDULES)) == len(SCHEDULES)
+    assert all(sorted(order) == sorted(WRITERS[listing] + COLLECTOR) for listing, order in SCHEDULES)
+
+
+@pytest.mark.parametrize(("listing", "order"), SCHEDULES)
+def test_no_interleaving_loses_a_write_that_returned(tmp_path, monkeypatch, listing, order):
     root = str(tmp_path / "dp")
     dp = DataPlane(root, "run-interleave")
     dp.register_partition(PART, fields={"a": "float32", "b": "float32"})
     meta = dp.put(PART, {"a": torch.tensor([1.0, 2.0, 3.0, 4.0])}, group_size=2)
     values = torch.tensor([0.5, -1.5, 2.5, -3.5])
     collector = DataPlane(root, "run-interleave")
-    schedule = Schedule(order)
+    schedule = Schedule(order, WRITERS[listing])
     _install_gates(monkeypatch, dp.fs, schedule)
     outcome: dict[str, object] = {}
 
@@ -205,6 +221,9 @@ def test_no_interleaving_loses_a_write_that_returned(tmp_path, monkeypatch, orde
     assert out["b"].tolist() == values.tolist() and out["a"].tolist() == [1.0, 2.0, 3.0, 4.0], order
     part = reader._part(PART)
     assert all(reader.fs.exists(f"{part}/{c['file']}") for c in reader._commits(part)), order
-    assert not reader.fs.exists(f"{part}/{gc.CLAIMS_DIR}") or not reader.fs.ls(f"{part}/{gc.CLAIMS_DIR}"), order
+    # the claims left are the marks of the removals: no writer of a file commits a copy for nothing
+    claims = {p: i["size"] for p, i in reader.fs.find(f"{part}/data", detail=True).items() if _is_claim(p)}
+    assert all(size == len(gc.REMOVED) for size in claims.values()), (order, claims)
+    assert len(claims) == outcome["collected"]["orphan_data_files"], (order, claims, outcome["collected"])
     # what the collection took is what the writer no longer names: at most the one file of the write's first upload
     assert outcome["collected"]["orphan_data_files"] <= 1, (order, outcome["collected"])

@@ -4,7 +4,8 @@ write is lost"). On a local folder and on a real S3 server on loopback (moto), e
 
 1. ``test_collection_between_upload_and_commit_keeps_the_write``: a collection forced into that window, 12 times per
    store and setting (6 puts, 6 delta writes), with the default grace period (nothing young is removed) and with
-   ``grace_s=0`` (the file is removed; the writer finds it gone after its commit and uploads it again).
+   ``grace_s=0`` (the file is removed, its claim marked so; the writer finds the mark after its commit and uploads
+   the file again).
 2. ``test_a_writer_paused_past_the_commit_deadline_does_not_commit``: a writer that reaches its commit too late
    raises a transient ``TimeoutError`` and commits nothing.
 3. ``test_a_write_whose_file_stays_gone_raises``: a data file removed after each upload: the writer raises
@@ -25,7 +26,7 @@ import uuid
 import pytest
 import torch
 
-from dataplane import client
+from dataplane import client, gc
 from dataplane import fields as F
 from dataplane.client import DataPlane, IntegrityError
 from dataplane.codec import nested_from_values
@@ -120,6 +121,11 @@ def test_collection_between_upload_and_commit_keeps_the_write(dp, store, monkeyp
         assert removed == 0  # a file younger than the grace period is never an orphan
     else:
         assert removed == 2 * WINDOW_TRIALS  # it took each in-flight file, and the writer put it back
+        # each removed file's claim stays beside it, marked (dataplane.gc); the file is there again, under its name
+        data = dp.fs.find(f"{dp._part(PART)}/data", detail=True)
+        marked = {p.rsplit(gc.CLAIM_MARK, 1)[0] + gc.DATA_SUFFIX for p, i in data.items() if gc.CLAIM_MARK in p}
+        assert len(marked) == removed and marked <= set(data)
+        assert all(i["size"] == len(gc.REMOVED) for p, i in data.items() if gc.CLAIM_MARK in p)
 
 
 def test_a_writer_paused_past_the_commit_deadline_does_not_commit(dp, monkeypatch):

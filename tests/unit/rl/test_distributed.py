@@ -7,6 +7,8 @@ real tokenizer keeps each under a few seconds.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -63,41 +65,75 @@ def _meta() -> KVBatchMeta:
     )
 
 
-def _update(model_dir: str, rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict[str, float], list[int]]:
-    """One step's updates of this rank on its shard; returns the weights, the metrics and the shard's rows."""
+LORA = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, peft_target_modules="all-linear")
+"""A LoRA adapter on every linear layer (`rl.lora.wrap` reads these attributes of ``policy.lora``)."""
+
+
+def _update(
+    model_dir: str, rank: int, world: int, *, lora: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, float], list[int]]:
+    """One step's updates of this rank on its shard; returns the weights, the metrics and the shard's rows. With
+    ``lora``, the model trains a LoRA adapter (`rl.lora`) and the weights are the adapter's."""
     from tensordict import TensorDict
     from transformers import AutoModelForCausalLM
+
+    from rl.lora import wrap
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager")
+    if lora:
+        model = wrap(model, LORA, seed=0).get_base_model()
     opt, sched = make_optimizer(model, _cfg())
     shard, sizes = shard_updates_for_dp(_meta(), dp_world=world, rank=rank, rows_per_update=ROWS_PER_UPDATE)
     rows = [int(i[1:]) for i in shard.sample_ids]
     full = TensorDict(_batch(), batch_size=[len(LENGTHS)])
     metrics = train_on_batch(model, opt, sched, full[torch.tensor(rows, dtype=torch.int64)], _cfg(), update_sizes=sizes)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics, rows
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items() if not lora or ".lora_" in k}
+    return weights, metrics, rows
 
 
-def _rank_main(rank: int, world: int, store: str, model_dir: str, out: str) -> None:
+def _rank_main(rank: int, world: int, store: str, model_dir: str, out: str, lora: bool = False) -> None:
     import torch.distributed as dist
 
+    reduced: list[int] = []  # elements of every gradient bucket this rank all-reduced
+    bucket = distributed._reduce_bucket
+    distributed._reduce_bucket = lambda grads, group: (
+        reduced.append(sum(g.numel() for g in grads)),
+        bucket(grads, group),
+    )
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        torch.save(_update(model_dir, rank, world), f"{out}/rank{rank}.pt")
+        torch.save((*_update(model_dir, rank, world, lora=lora), sum(reduced)), f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tiny_model_dir, tmp_path_factory) -> list[tuple[dict[str, torch.Tensor], dict[str, float], list[int]]]:
+def _spawn_ranks(model_dir: str, out, *, lora: bool = False) -> list[tuple]:
     import torch.multiprocessing as mp
 
-    out = tmp_path_factory.mktemp("ranks")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")
-        mp.spawn(_rank_main, args=(2, str(out / "store"), tiny_model_dir, str(out)), nprocs=2, join=True)
+        mp.spawn(_rank_main, args=(2, str(out / "store"), model_dir, str(out), lora), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory) -> list[tuple[dict[str, torch.Tensor], dict[str, float], list[int]]]:
+    return [r[:3] for r in _spawn_ranks(tiny_model_dir, tmp_path_factory.mktemp("ranks"))]
+
+
+def test_two_ranks_train_a_lora_adapter_as_one_rank_reducing_only_its_gradients(tiny_model_dir, tmp_path):
+    ranks = _spawn_ranks(tiny_model_dir, tmp_path, lora=True)
+    one_weights, one_metrics, _ = _update(tiny_model_dir, 0, 1, lora=True)
+    adapter = sum(v.numel() for v in one_weights.values())
+    assert len(one_weights) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    for weights, metrics, _, reduced in ranks:
+        assert max(float((one_weights[k] - weights[k]).abs().max()) for k in weights) < 1e-8
+        assert metrics["loss"] == pytest.approx(one_metrics["loss"], rel=1e-9)
+        assert reduced == adapter * 3  # three updates, each all-reducing the adapter's gradients and nothing else
+    moved = [k for k in one_weights if ".lora_B." in k and one_weights[k].abs().max() > 1e-4]
+    assert len(moved) == 2 * 7  # every B left zero: the adapter trained
 
 
 def test_two_ranks_make_the_update_of_one_rank(tiny_model_dir, two_ranks):

@@ -33,9 +33,14 @@ def _installed(table: dict, role: str) -> list:
     ]
 
 
-def _cfg(tmp: Path | None = None, **generation):
+LORA = {"rank": 4, "alpha": 8.0}
+"""``policy.lora`` of the ``transformers+lora`` policy: the contract holds with a peft adapter too."""
+
+
+def _cfg(tmp: Path | None = None, lora: dict | None = None, **generation):
     return config_from_dict(
         {
+            "policy": {"lora": lora},
             "model": {"precision": "float32"},
             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
             # the contract's reproducibility, asked for: vLLM seeds its requests on CUDA only when told to
@@ -67,9 +72,18 @@ def generator(request, tiny_model_dir, tok):
     assert gen.shutdown() is True
 
 
-@pytest.fixture(params=_installed(registry.POLICY_BACKENDS, "policy"))
+def _policy_cfg(name: str, tmp: Path):
+    return _cfg(tmp, lora=LORA if name.endswith("+lora") else None)
+
+
+@pytest.fixture(
+    params=[*_installed(registry.POLICY_BACKENDS, "policy"), pytest.param("transformers+lora", id="transformers+lora")]
+)
 def policy(request, tiny_model_dir, tok, tmp_path):
-    pol = registry.load("policy", request.param)(_cfg(tmp_path), tokenizer=tok, reference_path=tiny_model_dir)
+    backend = request.param.removesuffix("+lora")
+    pol = registry.load("policy", backend)(
+        _policy_cfg(request.param, tmp_path), tokenizer=tok, reference_path=tiny_model_dir
+    )
     pol.load_checkpoint(PolicyVersion(step=0, path=tiny_model_dir), with_optimizer=True)
     yield pol
     pol.shutdown()
@@ -218,7 +232,7 @@ def test_logprobs_are_zero_outside_the_token_mask_and_topk_is_the_plain_forwards
         assert (top.topk_logits[i, length - 1 :] == 0).all()
 
 
-def test_a_checkpoint_round_trip_resumes_training_exactly(policy, tok, tiny_model_dir, tmp_path):
+def test_a_checkpoint_round_trip_resumes_training_exactly(policy, tok, tiny_model_dir, tmp_path, request):
     batch = _train_batch(policy)
     policy.prepare_for_training()
     metrics = policy.train(batch)
@@ -226,7 +240,8 @@ def test_a_checkpoint_round_trip_resumes_training_exactly(policy, tok, tiny_mode
     assert {"loss", "grad_norm", "probs_ratio", "kl_penalty", "lr"} <= set(metrics)
     url = str(tmp_path / "ckpt")
     policy.save_checkpoint(url, trainer_state=TrainerState(step=1, mlflow_run_id="r", extra={}))
-    other = type(policy)(_cfg(tmp_path), tokenizer=tok, reference_path=tiny_model_dir)
+    cfg = _policy_cfg(request.node.callspec.params["policy"], tmp_path)
+    other = type(policy)(cfg, tokenizer=tok, reference_path=tiny_model_dir)
     other.load_checkpoint(PolicyVersion(step=1, path=url), with_optimizer=True)
     assert other.has_optimizer_state(PolicyVersion(step=1, path=url))
     assert torch.equal(other.get_logprobs(batch), policy.get_logprobs(batch))
