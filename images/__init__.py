@@ -52,6 +52,7 @@ COMMON_PACKAGES = [
     "reasoning_gym==0.1.25",
     "datasets==5.2.0",
     "math-verify[antlr4_13_2]==0.9.0",
+    "peft==0.21.2",
     "matplotlib",
     "pyyaml",
 ]

@@ -162,19 +162,19 @@ def merged_weights(peft_model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
     base = peft_model.get_base_model()
     layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    with torch.no_grad():
-        for name, value in base.state_dict().items():
-            if ".lora_" in name:
-                continue
-            if ".base_layer." not in name:
-                yield name, value
-                continue
-            owner, _, leaf = name.rpartition(".base_layer.")
-            if leaf == "weight" and owner in layers:
-                delta = layers[owner].get_delta_weight(ADAPTER_NAME)
-                yield f"{owner}.{leaf}", (value.float() + delta.float()).to(value.dtype)
-            else:
-                yield f"{owner}.{leaf}", value
+    for name, value in base.state_dict().items():  # no grad mode is held across a yield: the caller's stays its own
+        if ".lora_" in name:
+            continue
+        if ".base_layer." not in name:
+            yield name, value
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if leaf == "weight" and owner in layers:
+            with torch.no_grad():
+                merged = (value.float() + layers[owner].get_delta_weight(ADAPTER_NAME).float()).to(value.dtype)
+            yield f"{owner}.{leaf}", merged
+        else:
+            yield f"{owner}.{leaf}", value
 
 
 def saved_adapter(base_folder: str | Path, adapter_folder: str | Path, *, device: Any = None) -> Any:

@@ -192,7 +192,8 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(
 
     monkeypatch.setenv("GRPOFLOW_NUM_THREADS", "1")
     fsspec.filesystem("s3").clear_instance_cache()
-    prefix = f"s3://grpoflow/cold-k-{random.randrange(1 << 30)}"
+    # random is seeded alike for every test (conftest): the parameter keeps the two runs' storage and run ids apart
+    prefix = f"s3://grpoflow/cold-k-{'lora' if policy else 'full'}-{random.randrange(1 << 30)}"
     so = {"endpoint_url": s3_server}
 
     def config(root: str, k: int):
@@ -216,7 +217,7 @@ def test_two_steps_per_task_across_fresh_processes_equal_the_warm_run(
     inputs = {"cfg": TypeEngine.to_literal(ctx, cfg, RunConfig, TypeEngine.to_literal_type(RunConfig))}
     pods = Pods(
         tmp_path / "cluster",
-        execution=f"coldk{random.randrange(1 << 30):x}",
+        execution=f"coldk{'l' if policy else 'f'}{random.randrange(1 << 30):x}",
         env={"GRPOFLOW_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
     )
     summary = TypeEngine.to_python_value(ctx, pods.run_workflow(spec, tasks, inputs)["o0"], RunSummary)

@@ -146,3 +146,12 @@ def test_the_lora_policy_is_its_own_reference_with_one_model_in_memory(tiny_mode
     trained = [p for p in pol.model.parameters() if p.requires_grad]
     assert {id(p) for g in pol._optimizer.param_groups for p in g["params"]} == {id(p) for p in trained}
     assert sum(p.numel() for p in trained) < sum(p.numel() for p in pol.model.parameters()) / 10
+
+
+def test_an_unfinished_merge_leaves_the_callers_grad_mode_alone(tiny_model_dir):
+    model = _wrapped(tiny_model_dir)
+    weights = lora.merged_weights(model)
+    for _ in range(3):  # a consumer that stops early (zip, an error) keeps its grad mode
+        next(weights)
+    assert torch.is_grad_enabled()
+    del weights
