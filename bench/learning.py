@@ -9,7 +9,10 @@ bench/results/learning.md): accuracy per validation step against wall-clock minu
 overall and per problem size (largest operand's digit count, e.g. 1-digit = the `a + b` problems with one-digit
 terms). With ``--pass-at-k K`` it first measures the untrained model's pass@K on the same held-out questions
 (K samples each at the config's temperature): the share of questions it can already solve sometimes, i.e. what
-GRPO can sharpen into greedy accuracy without teaching anything new.
+GRPO can sharpen into greedy accuracy without teaching anything new. A config with
+``grpo.num_val_generations_per_prompt`` K > 0 adds a column: the share correct of K sampled completions per held-out
+question at the config's temperature (``validation/sampled_accuracy``), where GRPO's sharpening shows before greedy
+decoding moves.
 """
 
 from __future__ import annotations
@@ -45,8 +48,12 @@ def size_of(question: str) -> str:
 def fmt(correct: list[bool]) -> str:
     if not correct:
         return "-"
-    p = sum(correct) / len(correct)
-    lo, hi = wilson(p, len(correct))
+    return fmt_share(sum(correct) / len(correct), len(correct))
+
+
+def fmt_share(p: float, n: int) -> str:
+    """``p`` observed over ``n`` trials with its 95% Wilson interval, as :func:`fmt` writes it."""
+    lo, hi = wilson(p, n)
     return f"{p:.3f} [{lo:.2f}, {hi:.2f}]"
 
 
@@ -137,6 +144,8 @@ def report(cfg, client, run_id: str, args, *, wall: float | None, ceiling: dict[
     step_time = sorted(m.value for m in client.get_metric_history(run_id, "timing/train/total_step_time"))
     rewards = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/reward"))
     tables = validation_tables(client, run_id)
+    sampled = {m.step: m.value for m in client.get_metric_history(run_id, "validation/sampled_accuracy")}
+    k = cfg.grpo.num_val_generations_per_prompt
     sizes = sorted({s for t in tables.values() for s in t if s != "all"})
     n = cfg.data.num_val_problems
     d = cfg.data
@@ -157,13 +166,19 @@ def report(cfg, client, run_id: str, args, *, wall: float | None, ceiling: dict[
         f"{n} held-out questions ({source}). Greedy accuracy with 95% Wilson intervals; minutes since the run "
         "started.",
         "",
-        "| step | minutes | all | " + " | ".join(sizes) + " |",
-        "|---:|---:|---|" + "---|" * len(sizes),
+        "| step | minutes | all | "
+        + " | ".join(sizes)
+        + " |"
+        + (f" sampled (T={cfg.generation.temperature}) |" if sampled else ""),
+        "|---:|---:|---|" + "---|" * len(sizes) + ("---|" if sampled else ""),
     ]
     for step, by in sorted(tables.items()):
         minutes = (history[step].timestamp - run.info.start_time) / 60_000 if step in history else float("nan")
         lines.append(
-            f"| {step} | {minutes:.1f} | {fmt(by['all'])} | " + " | ".join(fmt(by.get(s, [])) for s in sizes) + " |"
+            f"| {step} | {minutes:.1f} | {fmt(by['all'])} | "
+            + " | ".join(fmt(by.get(s, [])) for s in sizes)
+            + " |"
+            + (f" {fmt_share(sampled[step], n * k) if step in sampled else '-'} |" if sampled else "")
         )
     if ceiling:
         lines.append(
@@ -171,6 +186,14 @@ def report(cfg, client, run_id: str, args, *, wall: float | None, ceiling: dict[
             + " | ".join(fmt(ceiling.get(s, [])) for s in sizes)
             + " |"
         )
+    if sampled:
+        lines += [
+            "",
+            f"Sampled: the share correct of {k} completions per held-out question at temperature "
+            f"{cfg.generation.temperature} (`grpo.num_val_generations_per_prompt`; pass@1 as NeMo-RL's validation "
+            f"samples it). Its interval counts the {n * k} completions as independent: narrower than the truth, since "
+            "a question's completions are correlated.",
+        ]
     lines += ["", "Held-out questions per size: " + ", ".join(f"{s} {len(tables[min(tables)][s])}" for s in sizes)]
     lines += ["", "Training reward per step: " + ", ".join(f"{v:.3f}" for _, v in rewards)]
     return "\n".join(lines)

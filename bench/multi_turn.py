@@ -8,6 +8,14 @@ transformers generation back-end. Two one-turn baselines:
 
     python -m bench.multi_turn [--model DIR | --random-shape 135M] [--prompts 8] [--group 4] [--turns 4]
                                [--tokens 16] [--repeats 3] [--device cpu] [--json PATH] [--out PATH.md]
+                               [--backend transformers | vllm] [--prompt-tokens 0]
+
+``--backend vllm`` measures what vLLM's prefix cache saves across turns instead: the same K-turn episodes on one
+engine, with the cache as the back-end runs it (a turn's prompt, the conversation so far, hits the blocks its earlier
+turns filled) and with the cache emptied before every turn (``LLM.reset_prefix_cache``: each turn prefills the whole
+conversation, though the G completions of a prompt still share its prefill within a call). vLLM caches whole
+blocks only (128 tokens on the CPU), so a conversation shorter than a block has nothing to re-use: ``--prompt-tokens``
+lengthens each prompt, as a document or a long task statement would.
 
 A random-weight model (``--random-shape``, ``bench.megatron.SIZES``, the SmolLM2 tokenizer) rarely produces eos, so
 every turn runs to T tokens and both sides generate the same number of tokens; the real model stops where it likes.
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -63,6 +72,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tokens", type=int, default=16, help="T, tokens per turn")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="lengthen each prompt by this many random digits, its own per prompt (SmolLM2: a token each)",
+    )
     p.add_argument("--json")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -103,19 +119,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 }
             )
 
+        rng = random.Random(0)
         problems = [
-            Problem(question=f"Count to {i + 3}.", answer="", entry={}, task="chain_sum", row_id=f"bench:{i}")
+            Problem(
+                question=f"Count to {i + 3}."
+                + (" " + "".join(rng.choices("0123456789", k=args.prompt_tokens))) * bool(args.prompt_tokens),
+                answer="",
+                entry={},
+                task="chain_sum",
+                row_id=f"bench:{i}",
+            )
             for i in range(args.prompts)
         ]
         replies = ChatTurns(tok, apply_chat_template=True).observation_ids(
             {"role": "user", "content": "ok"}, ended_with_eos=False
         ) * (k - 1)  # what the loop prefills between turns (a random model's turn rarely ends with eos)
         same = "one turn, same tokens"
-        sides = {"one turn of K*T tokens": cfg(1, k * t), same: cfg(1, k * t), f"{k} turns of T tokens": cfg(k, t)}
-        gens = {}
-        for name, c in sides.items():
-            gens[name] = HFGeneration(c, tokenizer=tok, model_path=path)
-            gens[name].refit(PolicyVersion(step=0, path=path))
+        if args.backend == "vllm":
+            from rl.backends.vllm.generation import VLLMGeneration
+
+            engine = VLLMGeneration(cfg(k, t), tokenizer=tok, model_path=path)
+            engine.refit(PolicyVersion(step=0, path=path))
+            cached, emptied = f"{k} turns, prefix cache kept", f"{k} turns, prefix cache emptied every turn"
+            sides = {cached: cfg(k, t), emptied: cfg(k, t)}
+            gens = {cached: engine, emptied: EmptiedEveryCall(engine)}
+        else:
+            sides = {"one turn of K*T tokens": cfg(1, k * t), same: cfg(1, k * t), f"{k} turns of T tokens": cfg(k, t)}
+            gens = {}
+            for name, c in sides.items():
+                gens[name] = HFGeneration(c, tokenizer=tok, model_path=path)
+                gens[name].refit(PolicyVersion(step=0, path=path))
 
         def run(name: str, seed: int) -> tuple[float, int, int]:
             c, gen = sides[name], gens[name]
@@ -130,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 out = gen.generate([[*p, *extra] for p in prompts], group_size=args.group, seed=seed)
                 tokens, env_tokens = int(out.response_lengths.sum()), len(extra) * len(prompts) * args.group
             else:
+                if args.backend == "vllm":
+                    empty_prefix_cache(engine)  # no side starts from blocks the other filled
                 g = multi_turn_groups(
                     gen, tok, problems, c, group_size=args.group, greedy=False, seed=seed, envs={"chain_sum": Ok(k)}
                 )
@@ -144,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name in sides:
                 timed[name].append(run(name, r + 1))
         base = statistics.median(s for s, _, _ in timed[next(iter(sides))])
-        base_same = statistics.median(s for s, _, _ in timed[same])
+        base_same = statistics.median(s for s, _, _ in timed[same]) if same in timed else base
         for name, runs in timed.items():
             secs = [s for s, _, _ in runs]
             rows.append(
@@ -165,7 +200,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": args.prompts * args.group,
         "turns": k,
         "tokens_per_turn": t,
+        "prompt_tokens": args.prompt_tokens,
         "device": args.device,
+        "backend": args.backend,
         "torch_threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "sides": rows,
@@ -180,17 +217,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return record
 
 
+def empty_prefix_cache(engine: Any) -> None:
+    """Empty the prefix cache of a started ``VLLMGeneration``'s engine (vLLM's ``LLM.reset_prefix_cache``)."""
+    engine._llm.reset_prefix_cache()  # noqa: SLF001 (a measurement, not something the back-end offers)
+
+
+class EmptiedEveryCall:
+    """A vLLM generation back-end whose prefix cache is emptied before every ``generate`` call (each turn)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        empty_prefix_cache(self.engine)
+        return self.engine.generate(*args, **kwargs)
+
+
 def table(r: dict[str, Any]) -> str:
+    vllm = r.get("backend") == "vllm"
+    title = "vLLM's prefix cache across turns" if vllm else "Multi-turn loop against one turn"
     lines = [
-        f"# Multi-turn loop against one turn ({r['model']}, {r['rows']} rows, K = {r['turns']}, T = "
-        f"{r['tokens_per_turn']}, {r['device']}, {r['torch_threads']} threads; median of {r['repeats']})",
+        f"# {title} ({r['model']}, {r['rows']} rows, K = {r['turns']}, T = "
+        f"{r['tokens_per_turn']}"
+        + (f", prompts lengthened by {r['prompt_tokens']} tokens" if r.get("prompt_tokens") else "")
+        + f", {r['device']}, {r['torch_threads']} threads; median of {r['repeats']})",
         "",
-        "| side | s (median) | min - max | generated tokens | environment tokens | time vs one turn | vs same tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| side | s (median) | min - max | generated tokens | environment tokens | time vs "
+        + ("the cache kept |" if vllm else "one turn | vs same tokens |"),
+        "|---|---|---|---|---|---|" + ("" if vllm else "---|"),
     ]
     lines += [
         f"| {x['side']} | {x['s']:.3f} | {x['min']:.3f} - {x['max']:.3f} | {x['generated_tokens']:,} | "
-        f"{x['environment_tokens']:,} | {x['vs_one_turn']:.2f} | {x['vs_same_tokens']:.2f} |"
+        f"{x['environment_tokens']:,} | {x['vs_one_turn']:.2f} |" + ("" if vllm else f" {x['vs_same_tokens']:.2f} |")
         for x in r["sides"]
     ]
     return "\n".join(lines) + "\n"

@@ -27,6 +27,9 @@ class Groups:
     """The model's tokens of each sample (every turn's, in a multi-turn episode)."""
     turns: list[int] = field(default_factory=list)
     """Assistant turns of each sample (1 single-turn)."""
+    turns_at_max_new_tokens: list[int] = field(default_factory=list)
+    """Of those, the turns that ended at ``generation.max_new_tokens`` with neither EOS nor a stop string (a reply cut
+    short: the environment saw it unfinished); single-turn: 1 for a truncated completion."""
     environment_tokens: list[int] = field(default_factory=list)
     """Tokens of each sample's environment turns (``token_mask`` 0; none single-turn)."""
     truncated_by: list[str] = field(default_factory=list)
@@ -49,6 +52,7 @@ class Groups:
             "prompt_lengths",
             "response_lengths",
             "turns",
+            "turns_at_max_new_tokens",
             "environment_tokens",
             "truncated_by",
         ):

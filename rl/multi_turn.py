@@ -120,6 +120,8 @@ class Episode:
     turns: int = 0
     assistant_tokens: int = 0
     environment_tokens: int = 0
+    turns_at_max_new_tokens: int = 0
+    """Its turns that ended at ``generation.max_new_tokens``, with neither EOS nor a stop string."""
     stop_strings: list[str] | None = None
     kv_row: int | None = None
     """Its row in the last generate call (whose KV the back-end may have kept: ``continues``)."""
@@ -177,7 +179,8 @@ def multi_turn_groups(
         :class:`rl.groups.Groups`: per sample the whole conversation's tokens, ``token_mask`` true on the model's
         tokens only, generation logprobs on those (0 elsewhere), the summed reward and named rewards, the
         conversation after the prompt as text (special tokens kept) in ``responses``, ``response_lengths`` = the
-        model's tokens, ``turns``, ``environment_tokens`` and ``truncated_by``; ``env_metrics`` adds
+        model's tokens, ``turns``, ``turns_at_max_new_tokens``, ``environment_tokens`` and ``truncated_by``;
+        ``env_metrics`` adds
         ``episode/env_seconds``.
 
     Raises:
@@ -236,6 +239,7 @@ def multi_turn_groups(
             ids = [int(t) for t in out.response_token_ids[i]]
             lp = out.generation_logprobs[i][len(out.input_ids[i]) - len(ids) :].tolist()
             keep, text = cut_at_stop_string(tokenizer, ids, e.stop_strings)
+            e.turns_at_max_new_tokens += bool(out.truncated[i]) and keep == len(ids)
             e.append(ids[:keep], lp[:keep])
             e.turns, e.assistant_tokens = turn, e.assistant_tokens + keep
             e.message_log.append({"role": "assistant", "content": text, "token_ids": ids[:keep]})
@@ -268,6 +272,7 @@ def multi_turn_groups(
         prompt_lengths=[e.prompt_length for e in episodes],
         response_lengths=[e.assistant_tokens for e in episodes],
         turns=[e.turns for e in episodes],
+        turns_at_max_new_tokens=[e.turns_at_max_new_tokens for e in episodes],
         environment_tokens=[e.environment_tokens for e in episodes],
         truncated_by=[e.truncated_by for e in episodes],
         env_metrics=metrics,

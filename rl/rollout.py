@@ -73,6 +73,7 @@ def generate_groups(
         prompt_lengths=gen.prompt_lengths.tolist(),
         response_lengths=gen.response_lengths.tolist(),
         turns=[1] * n,
+        turns_at_max_new_tokens=[int(t) for t in gen.truncated.tolist()],
         environment_tokens=[0] * n,
         truncated_by=[""] * n,
         env_metrics=scores.metrics,
@@ -150,7 +151,10 @@ def sample_step(
 
 def episode_metrics(groups: Groups) -> dict[str, float]:
     """Multi-turn rollout metrics over the kept samples: ``turns_per_sample``, ``assistant_tokens`` and
-    ``environment_tokens`` (means per sample), ``truncated_by_turns_fraction`` and ``truncated_by_length_fraction``."""
+    ``environment_tokens`` (means per sample), ``truncated_by_turns_fraction`` and ``truncated_by_length_fraction``
+    (shares of the samples), and ``turns_at_max_new_tokens_fraction``: the share of all assistant turns that ended at
+    ``generation.max_new_tokens`` with neither EOS nor a stop string (replies cut short: raise ``max_new_tokens``
+    when it is high)."""
     n = max(len(groups.turns), 1)
     return {
         "turns_per_sample": sum(groups.turns) / n,
@@ -158,6 +162,7 @@ def episode_metrics(groups: Groups) -> dict[str, float]:
         "environment_tokens": sum(groups.environment_tokens) / n,
         "truncated_by_turns_fraction": groups.truncated_by.count("turns") / n,
         "truncated_by_length_fraction": groups.truncated_by.count("length") / n,
+        "turns_at_max_new_tokens_fraction": sum(groups.turns_at_max_new_tokens) / max(sum(groups.turns), 1),
     }
 
 

@@ -250,6 +250,10 @@ class GRPOSettings(Section):
     """Validate every this many steps (and after the last step); 0 turns validation off."""
     val_at_start: bool = False
     """Also validate the initial policy before step 1."""
+    num_val_generations_per_prompt: int = 0
+    """Validation completions sampled per problem at ``generation.temperature``, besides the greedy one; > 0 also
+    logs ``validation/sampled_accuracy``, the share of them that are correct (pass@1 at the training temperature:
+    what NeMo-RL's ``validate`` reports, which samples with ``greedy=False``). 0: greedy only."""
     adv_estimator: str = "grpo"
     """Advantage estimator (NeMo-RL's ``grpo.adv_estimator.name``): ``grpo``: a group baseline
     (``use_leave_one_out_baseline``), divided by the group's std with ``normalize_rewards``. RLOO is ``grpo`` with the
@@ -324,6 +328,12 @@ class GRPOSettings(Section):
             fail("grpo.max_num_steps", f"is {self.max_num_steps}", "use at least 1")
         if self.val_period < 0:
             fail("grpo.val_period", f"is {self.val_period}", "use 0 (off) or a positive number of steps")
+        if self.num_val_generations_per_prompt < 0:
+            fail(
+                "grpo.num_val_generations_per_prompt",
+                f"is {self.num_val_generations_per_prompt}",
+                "use 0 (greedy validation only) or a positive number of sampled completions per problem, e.g. 4",
+            )
         if self.max_trajectory_age_steps < 0:
             fail(
                 "grpo.max_trajectory_age_steps",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -180,3 +181,34 @@ def test_empty_root_is_named(trained, tmp_path):
     cfg, _ = trained
     empty = dataclasses.replace(cfg, dataplane=dataclasses.replace(cfg.dataplane, root=str(tmp_path / "empty")))
     _raises(r"find_checkpoint: no complete checkpoint of any run under .*empty; check dataplane.root", cfg=empty)
+
+
+def _printed_sampled(out: str) -> list[tuple[float, float]]:
+    """``(accuracy, sampled accuracy)`` of each printed evaluation line with a sampled accuracy."""
+    found = re.findall(r"evaluation at step \d+ \| accuracy ([\d.]+) .*\| sampled accuracy ([\d.]+) \(", out)
+    return [(float(a), float(b)) for a, b in found]
+
+
+def test_sampled_completions_at_a_near_zero_temperature_score_as_the_greedy_ones(trained, capsys):
+    """``grpo.num_val_generations_per_prompt`` = K samples K completions per question besides the greedy one: at a
+    temperature where sampling is argmax each of them is the greedy completion, so the sampled accuracy equals the
+    greedy accuracy; at the run's temperature it is a share of the N x K completions, the same on a re-evaluation
+    (seeded by the step), and the greedy accuracy does not move."""
+    from workflows.evaluate import evaluate
+
+    cfg, summary = trained
+    url = str(_checkpoint(cfg, summary, 1))
+    greedy = evaluate(cfg=cfg, checkpoint=url)
+    k, n = 3, cfg.data.num_val_problems
+    sampled = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, num_val_generations_per_prompt=k))
+    cold = dataclasses.replace(sampled, generation=dataclasses.replace(cfg.generation, temperature=1e-9))
+    capsys.readouterr()
+    assert evaluate(cfg=cold, checkpoint=url) == greedy
+    assert _printed_sampled(capsys.readouterr().out) == [(round(greedy, 3), round(greedy, 3))]
+
+    assert evaluate(cfg=sampled, checkpoint=url) == greedy
+    assert evaluate(cfg=sampled, checkpoint=url) == greedy
+    (first, second) = _printed_sampled(capsys.readouterr().out)
+    assert first == second and first[0] == round(greedy, 3)
+    share = first[1] * n * k  # printed to 3 decimals: within 0.0005 x N x K of a whole number of completions
+    assert abs(share - round(share)) <= 0.0005 * n * k and 0 <= round(share) <= n * k

@@ -170,6 +170,11 @@ def test_defaults_are_valid_and_json_safe():
         ),
         (
             "grpo",
+            {"num_val_generations_per_prompt": -1},
+            r"^config grpo.num_val_generations_per_prompt: is -1; use 0 \(greedy validation only\) or a positive",
+        ),
+        (
+            "grpo",
             {"reward_shaping": {"overlong_buffer_penalty": -1}},
             r"^config grpo.reward_shaping.overlong_buffer_penalty: is -1.0; use a penalty >= 0",
         ),

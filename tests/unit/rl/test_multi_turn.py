@@ -21,6 +21,7 @@ from rl.data import Problem
 from rl.environments import EnvironmentInterface, EnvironmentReturn
 from rl.model import load_tokenizer
 from rl.multi_turn import ChatTurns, EnvironmentFault, cut_at_stop_string, multi_turn_groups
+from rl.rollout import episode_metrics
 
 
 class Echo(EnvironmentInterface):
@@ -115,11 +116,17 @@ def test_an_episode_is_prompt_then_assistant_and_environment_turns_and_only_the_
                 runs.append((bool(mask[start]), ids[start:t]))
                 start = t
         assert [m for m, _ in runs] == [True, False, True, False, True]
+        # a turn at the cap: all 6 new tokens and no EOS (Echo sets no stop strings)
+        at_cap = sum(len(t) == 6 and t[-1] != tok.eos_token_id for m, t in runs if m)
+        assert out.turns_at_max_new_tokens[i] == at_cap
         for k, (_, obs_ids) in zip((1, 2), runs[1::2], strict=True):
             ended = runs[(k - 1) * 2][1][-1] == tok.eos_token_id
             want = turns.observation_ids({"role": "user", "content": f"go on (turn {k})"}, ended_with_eos=ended)
             assert obs_ids == want
     assert out.env_metrics["episode/env_seconds"] >= 0
+    assert 0 < sum(out.turns_at_max_new_tokens) <= 12  # the tiny random model rarely ends a turn in 6 tokens
+    metrics = episode_metrics(out)
+    assert metrics["turns_at_max_new_tokens_fraction"] == sum(out.turns_at_max_new_tokens) / 12
     text = turns.observation_text({"role": "user", "content": "hi"}, ended_with_eos=True)
     assert text == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # SmolLM2's ChatML
 
