@@ -120,15 +120,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
 
         rng = random.Random(0)
+
+        def question(i: int) -> str:
+            digits = "".join(rng.choices("0123456789", k=args.prompt_tokens))
+            return f"Count to {i + 3}." + (f" {digits}" if digits else "")
+
         problems = [
-            Problem(
-                question=f"Count to {i + 3}."
-                + (" " + "".join(rng.choices("0123456789", k=args.prompt_tokens))) * bool(args.prompt_tokens),
-                answer="",
-                entry={},
-                task="chain_sum",
-                row_id=f"bench:{i}",
-            )
+            Problem(question=question(i), answer="", entry={}, task="chain_sum", row_id=f"bench:{i}")
             for i in range(args.prompts)
         ]
         replies = ChatTurns(tok, apply_chat_template=True).observation_ids(

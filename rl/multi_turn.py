@@ -180,8 +180,7 @@ def multi_turn_groups(
         tokens only, generation logprobs on those (0 elsewhere), the summed reward and named rewards, the
         conversation after the prompt as text (special tokens kept) in ``responses``, ``response_lengths`` = the
         model's tokens, ``turns``, ``turns_at_max_new_tokens``, ``environment_tokens`` and ``truncated_by``;
-        ``env_metrics`` adds
-        ``episode/env_seconds``.
+        ``env_metrics`` adds ``episode/env_seconds``.
 
     Raises:
         EnvironmentFault: an environment raised or broke the interface (naming it, the task and the sample).
